@@ -1,0 +1,41 @@
+"""Python face of the native I/O engine (csrc/, built as ``lean_qwenflash._io``).
+
+``open_engine`` opens one file read-only for O_DIRECT reads through io_uring (``uring``), a pread
+thread pool (``pread``), or whichever works (``auto``: io_uring first, pread when the kernel or a
+container's seccomp profile refuses it; ``engine.fallback_reason`` says why). Reads land directly
+in caller-owned buffers such as :class:`AlignedBuffer`, which ``torch.frombuffer`` views without a
+copy. Every failure is an :class:`IoError` (an ``OSError``) carrying ``errno`` and the request's
+``tag``.
+"""
+from __future__ import annotations
+
+try:
+    from . import _io
+except ImportError as e:  # pragma: no cover - only without a build
+    raise ImportError(
+        "lean_qwenflash's native extension is not built; run `pip install -e .` "
+        "(or scripts/setup.sh) in the repository first"
+    ) from e
+
+AlignedBuffer = _io.AlignedBuffer
+Engine = _io.Engine
+IoError = _io.IoError
+ALIGNMENT = _io.ALIGNMENT
+crc32c = _io.crc32c
+ENGINES = ("auto", "uring", "pread")
+
+
+def open_engine(path: str, engine: str = "auto", queue_depth: int = 32, num_threads: int = 0,
+                direct: bool = True) -> "_io.Engine":
+    """Open ``path`` read-only with the named engine; see the module docstring."""
+    if engine not in ENGINES:
+        raise ValueError(f"io_engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    return _io.Engine(str(path), engine, int(queue_depth), int(num_threads), bool(direct))
+
+
+def uring_compiled() -> bool:
+    return _io.uring_compiled()
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return (n + alignment - 1) // alignment * alignment

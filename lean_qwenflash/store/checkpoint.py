@@ -1,0 +1,198 @@
+"""Reading a Hugging Face checkpoint directory lazily, and writing safetensors as a stream.
+
+Both the packer and the model loader read checkpoints through :class:`HFCheckpoint`, which opens
+every shard lazily (safetensors maps the file; a tensor is read only when asked for) and sorts the
+tensor names into resident tensors and routed-expert tensors with :mod:`.naming`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import naming
+
+ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TORCH_DTYPES = {v: k for k, v in TORCH_NAMES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file or tensor."""
+
+
+@dataclass
+class ExpertIndex:
+    """Where each routed expert's tensors live, whatever the on-disk layout."""
+
+    per_expert: dict = field(default_factory=dict)   # (layer, expert, role) -> key
+    stacked: dict = field(default_factory=dict)      # (layer, "gate_up"|"down") -> key
+
+
+class HFCheckpoint:
+    """A checkpoint directory: config.json plus one or more .safetensors shards."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        cfg = self.path / "config.json"
+        if not cfg.is_file():
+            raise CheckpointError(f"{self.path} has no config.json: pass a Hugging Face checkpoint directory")
+        try:
+            self.config = json.loads(cfg.read_text())
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
+        self.names = naming.arch_names(self.config)
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            raise CheckpointError(f"{self.path} has no .safetensors files (other weight formats are not supported)")
+        self._handles = {}
+        self.key_shard: dict[str, Path] = {}
+        for shard in shards:
+            try:
+                h = safe_open(str(shard), framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read {shard}: {e}") from None
+            self._handles[shard] = h
+            for k in h.keys():
+                if k in self.key_shard:
+                    raise CheckpointError(f"tensor {k} appears in both {self.key_shard[k].name} and {shard.name}")
+                self.key_shard[k] = shard
+        self.experts = ExpertIndex()
+        self.resident_keys: dict[str, str] = {}          # canonical name -> key in the files
+        for k in self.key_shard:
+            ek = naming.parse_expert_key(self.names, k)
+            if ek is None:
+                canon = naming.canonical_resident_key(self.names, k)
+                if canon in self.resident_keys:
+                    raise CheckpointError(f"tensors {self.resident_keys[canon]} and {k} are the same weight")
+                self.resident_keys[canon] = k
+            elif ek.expert_id is None:
+                self.experts.stacked[(ek.layer_idx, ek.part)] = k
+            else:
+                self.experts.per_expert[(ek.layer_idx, ek.expert_id, ek.part)] = k
+
+    # -- metadata ---------------------------------------------------------------------------
+    def _slice(self, key: str):
+        return self._handles[self.key_shard[key]].get_slice(key)
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self._slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        name = self._slice(key).get_dtype()
+        if name not in ST_DTYPES:
+            raise CheckpointError(f"tensor {key} has dtype {name}; supported: {', '.join(ST_DTYPES)}")
+        return ST_DTYPES[name]
+
+    def nbytes(self, key: str) -> int:
+        n = torch.tensor([], dtype=self.dtype(key)).element_size()
+        for d in self.shape(key):
+            n *= d
+        return n
+
+    def get(self, key: str) -> torch.Tensor:
+        self.dtype(key)  # refuse unsupported dtypes by name
+        return self._handles[self.key_shard[key]].get_tensor(key)
+
+    # -- routed experts ---------------------------------------------------------------------
+    def moe_layers(self) -> list[int]:
+        return naming.moe_layer_indices(self.config)
+
+    def expert_dims(self) -> tuple[int, int, int, int]:
+        return naming.expert_dims(self.config)
+
+    def check_experts(self) -> None:
+        """Every MoE layer has every expert's tensors with the right shapes, nothing extra."""
+        num_experts, _, hidden, inter = self.expert_dims()
+        layers = set(self.moe_layers())
+        missing, wrong = [], []
+        want = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+        want_stacked = {"gate_up": (num_experts, 2 * inter, hidden), "down": (num_experts, hidden, inter)}
+        for layer in sorted(layers):
+            stacked = {p: self.experts.stacked.get((layer, p)) for p in ("gate_up", "down")}
+            if all(stacked.values()):
+                for p, k in stacked.items():
+                    if self.shape(k) != want_stacked[p]:
+                        wrong.append(f"{k}: shape {list(self.shape(k))}, expected {list(want_stacked[p])}")
+                continue
+            for e in range(num_experts):
+                for role, shape in want.items():
+                    k = self.experts.per_expert.get((layer, e, role))
+                    if k is None:
+                        missing.append(naming.expert_key(self.names, layer, e, role))
+                    elif self.shape(k) != shape:
+                        wrong.append(f"{k}: shape {list(self.shape(k))}, expected {list(shape)}")
+        extra = sorted({k for (l, _, _), k in self.experts.per_expert.items() if l not in layers} |
+                       {k for (l, _), k in self.experts.stacked.items() if l not in layers})
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} expert tensors missing, e.g. {', '.join(missing[:5])}")
+        if wrong:
+            problems.append("wrong shapes: " + "; ".join(wrong[:5]))
+        if extra:
+            problems.append(f"expert tensors for layers the config says are dense: {', '.join(extra[:5])}")
+        if problems:
+            raise CheckpointError(f"{self.path}: " + " | ".join(problems))
+
+    def expert(self, layer_idx: int, expert_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert, read from whichever layout is on disk."""
+        stacked = self.experts.stacked
+        if (layer_idx, "gate_up") in stacked:
+            gate_up = self._slice(stacked[(layer_idx, "gate_up")])[expert_id]
+            down = self._slice(stacked[(layer_idx, "down")])[expert_id]
+            return gate_up, down
+        k = self.experts.per_expert
+        gate = self.get(k[(layer_idx, expert_id, "gate")])
+        up = self.get(k[(layer_idx, expert_id, "up")])
+        return torch.cat([gate, up], dim=0), self.get(k[(layer_idx, expert_id, "down")])
+
+    def expert_dtype(self) -> torch.dtype:
+        keys = list(self.experts.stacked.values()) + list(self.experts.per_expert.values())
+        dtypes = {self.dtype(k) for k in keys}
+        if len(dtypes) > 1:
+            raise CheckpointError(f"{self.path}: routed experts mix dtypes {sorted(map(str, dtypes))}; "
+                                  "choose one with --dtype")
+        return dtypes.pop() if dtypes else torch.float32
+
+
+class StreamingSafetensorsWriter:
+    """Writes a .safetensors file one tensor at a time (the header is fixed up front from the
+    shapes and dtypes), so a checkpoint larger than RAM can be repacked."""
+
+    def __init__(self, path, entries: list[tuple[str, tuple, torch.dtype]]):
+        self.path = Path(path)
+        header, offset = {}, 0
+        self.order = []
+        for name, shape, dtype in entries:
+            n = torch.tensor([], dtype=dtype).element_size()
+            for d in shape:
+                n *= d
+            header[name] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+            self.order.append((name, tuple(shape), dtype, n))
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        self.f = open(self.path, "wb")
+        self.f.write(struct.pack("<Q", len(blob)) + blob)
+        self.next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, shape, dtype, n = self.order[self.next]
+        if name != want_name or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise CheckpointError(f"internal: expected {want_name} {shape} {dtype}, got {name} "
+                                  f"{tuple(tensor.shape)} {tensor.dtype}")
+        self.f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes() if n else b"")
+        self.next += 1
+
+    def close(self) -> None:
+        if self.next != len(self.order):
+            raise CheckpointError(f"internal: {len(self.order) - self.next} tensors never written to {self.path}")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()

@@ -1,0 +1,140 @@
+"""`lean-qwenflash pack`: Hugging Face checkpoint -> pack directory (see store/format.py).
+
+The packer streams: it holds one expert (or one resident tensor) in memory at a time, so a
+checkpoint larger than RAM packs fine. It writes into ``OUT_DIR.tmp``, fsyncs every file, writes
+the manifest last and renames the directory into place, so an interrupted pack never looks valid.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..io_engine import crc32c
+from . import format as fmt
+from .checkpoint import (TORCH_DTYPES, TORCH_NAMES, CheckpointError, HFCheckpoint,
+                         StreamingSafetensorsWriter)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _progress(total_bytes: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        enabled = False
+    if not enabled:
+        class _Null:
+            def update(self, n):
+                pass
+
+            def close(self):
+                pass
+        return _Null()
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="packing",
+                file=sys.stderr, dynamic_ncols=True)
+
+
+def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progress: bool = True) -> fmt.Manifest:
+    """Pack ``hf_dir`` into ``out_dir``; returns the manifest. ``dtype`` (float32, float16,
+    bfloat16) converts the routed experts; by default they keep the checkpoint's dtype."""
+    ckpt = HFCheckpoint(hf_dir)
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"{out_dir} already exists; choose another output directory or pass --force to replace it")
+    if Path(hf_dir).resolve() == out_dir:
+        raise ValueError("the output directory must differ from the checkpoint directory")
+    ckpt.check_experts()
+    if dtype is not None and dtype not in TORCH_DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}; got {dtype!r}")
+    expert_dtype = TORCH_DTYPES[dtype] if dtype else ckpt.expert_dtype()
+
+    num_experts, _, hidden, inter = ckpt.expert_dims()
+    layers, offset, first = [], 0, 0
+    for layer_idx in ckpt.moe_layers():
+        rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, TORCH_NAMES[expert_dtype], offset, first)
+        layers.append(rec)
+        offset += rec.num_experts * rec.record_bytes
+        first += rec.num_experts
+    resident = sorted(ckpt.resident_keys.items())
+    resident_bytes = sum(ckpt.nbytes(k) for _, k in resident)
+    bar = _progress(offset + resident_bytes, progress)
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    if tmp.exists():
+        print(f"removing {tmp}, left over from an interrupted pack", file=sys.stderr)
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+
+    # Routed experts: one record at a time.
+    crcs = []
+    with open(tmp / fmt.EXPERTS, "wb") as f:
+        for rec in layers:
+            buf = bytearray(rec.record_bytes)  # zero padding stays zero; tensors overwrite the rest
+            view = memoryview(buf)
+            for e in range(rec.num_experts):
+                gate_up, down = ckpt.expert(rec.layer_idx, e)
+                for slot, t in zip(rec.tensors, (gate_up, down)):
+                    data = t.to(expert_dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
+                    view[slot.offset:slot.offset + slot.nbytes] = data
+                crcs.append(crc32c(buf))
+                f.write(buf)
+                bar.update(rec.record_bytes)
+        f.flush()
+        os.fsync(f.fileno())
+    (tmp / fmt.EXPERTS_IDX).write_bytes(fmt.encode_idx(crcs))
+
+    # Resident tensors: streamed into one safetensors file under their canonical names.
+    entries = [(canon, ckpt.shape(k), ckpt.dtype(k)) for canon, k in resident]
+    writer = StreamingSafetensorsWriter(tmp / fmt.RESIDENT, entries)
+    for canon, k in resident:
+        t = ckpt.get(k)
+        writer.write(canon, t)
+        bar.update(t.nbytes)
+    writer.close()
+
+    copied = []
+    for name in fmt.TOKENIZER_FILES:
+        src = Path(hf_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, tmp / name)
+            copied.append(name)
+    for name in [fmt.EXPERTS_IDX] + copied:
+        with open(tmp / name, "rb") as fh:
+            os.fsync(fh.fileno())
+
+    manifest = fmt.Manifest(architecture=ckpt.names.architecture, family=ckpt.names.family, config=ckpt.config,
+                            layers=layers, experts_bytes=offset, tokenizer_files=copied,
+                            created_by=f"lean-qwenflash {__version__}")
+    with open(tmp / fmt.MANIFEST, "w") as fh:
+        json.dump(manifest.to_json(), fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    bar.close()
+
+    if out_dir.exists():  # --force: swap in the new pack, then drop the old one
+        old = out_dir.with_name(out_dir.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, out_dir)
+    _fsync_dir(out_dir.parent)
+    return manifest
+
+
+__all__ = ["pack", "CheckpointError"]

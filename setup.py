@@ -1,0 +1,76 @@
+"""Build and install lean-qwenflash.
+
+The native extension (csrc/, plain C++17 + pybind11, no torch headers) is always built with the
+pread engine; the io_uring engine is added when pkg-config finds liburing.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+
+
+def liburing_flags():
+    if shutil.which("pkg-config"):
+        try:
+            cflags = subprocess.check_output(["pkg-config", "--cflags", "liburing"], text=True).split()
+            libs = subprocess.check_output(["pkg-config", "--libs", "liburing"], text=True).split()
+            return cflags, libs
+        except subprocess.CalledProcessError:
+            pass
+    return None
+
+
+uring = liburing_flags()
+macros = []
+extra_compile = ["-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"]
+extra_link = ["-pthread"]
+if uring:
+    macros.append(("LQF_HAVE_URING", "1"))
+    extra_compile += uring[0]
+    extra_link += uring[1]
+    print("lean-qwenflash: building with liburing (io_uring engine + pread engine)", file=sys.stderr)
+else:
+    print("lean-qwenflash: liburing NOT found by pkg-config; building the pread engine only "
+          "(install liburing-dev and rebuild for io_uring)", file=sys.stderr)
+
+ext = Pybind11Extension(
+    "lean_qwenflash._io",
+    sources=["csrc/io_engine.cpp", "csrc/uring_backend.cpp", "csrc/bindings.cpp"],
+    define_macros=macros,
+    extra_compile_args=extra_compile,
+    extra_link_args=extra_link,
+    cxx_std=17,
+)
+
+setup(
+    name="lean-qwenflash",
+    version="0.1.0",
+    description="Run Mixture-of-Experts LLMs larger than memory by streaming experts from NVMe",
+    packages=find_packages(include=["lean_qwenflash", "lean_qwenflash.*"]),
+    package_data={"lean_qwenflash": ["default_model/*", "default_model/**/*"]},
+    include_package_data=True,
+    ext_modules=[ext],
+    cmdclass={"build_ext": build_ext},
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is installed first by scripts/setup.sh (a bare requirement would pull a CUDA build)
+        "torch>=2.1",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "numpy>=1.24",
+        "jinja2>=3.1",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+    ],
+    extras_require={
+        "dev": ["pytest>=7", "transformers>=5.0", "openai>=1.30", "httpx>=0.27"],
+        "cuda": ["flash-linear-attention", "causal-conv1d", "flash-attn"],
+        "exl3": ["exllamav3"],
+    },
+    entry_points={"console_scripts": ["lean-qwenflash=lean_qwenflash.cli:main"]},
+)
