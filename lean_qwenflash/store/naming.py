@@ -63,6 +63,10 @@ def arch_names(config: dict) -> ArchNames:
     for a in archs:
         if a in ARCHITECTURES:
             return ARCHITECTURES[a]
+    # A config without "architectures" (saved from a bare config object) still names its model_type.
+    by_type = {a.family: a for a in ARCHITECTURES.values()}
+    if not archs and config.get("model_type") in by_type:
+        return by_type[config["model_type"]]
     what = ", ".join(archs) if archs else "none (config.json has no 'architectures')"
     raise UnsupportedArchitecture(
         f"unsupported architecture: {what}; supported: {', '.join(sorted(ARCHITECTURES))}"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up lean-qwenflash on a fresh machine: system packages (liburing for the io_uring engine),
+# torch, then this package in editable mode with the dev extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if ! pkg-config --exists liburing 2>/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing liburing-dev and pkg-config with apt"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq liburing-dev pkg-config >/dev/null
+  else
+    echo "setup: liburing-dev not found and cannot apt-get it (not root?); building the pread engine only"
+  fi
+fi
+
+# torch first: a bare `torch` requirement on a machine without it pulls a multi-GB CUDA build.
+# On a CUDA machine install the torch build you want before running this script.
+if ! $PY -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch==2.13.0"
+  $PY -m pip install -q torch==2.13.0
+fi
+$PY -m pip install -q "setuptools>=64" wheel "pybind11>=2.12"
+$PY -m pip install -q --no-build-isolation -e '.[dev]'
+$PY -c "import lean_qwenflash._io as io; print('setup: native I/O engine built', '(io_uring + pread)' if io.uring_compiled() else '(pread only)')"
