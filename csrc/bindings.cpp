@@ -85,16 +85,18 @@ class PyEngine {
         return id;
     }
 
-    void wait(uint64_t id) {
+    double wait(uint64_t id) {
         Engine& e = eng();
+        double service_s = 0;
         try {
             py::gil_scoped_release nogil;
-            e.wait(id);
+            service_s = e.wait(id);
         } catch (const IoError& err) {
             keep_alive_.erase(id);
             raise_io_error(err);
         }
         keep_alive_.erase(id);
+        return service_s;
     }
 
     // Waits for every id even after a failure, so no read is still landing in a buffer the
@@ -181,7 +183,8 @@ PYBIND11_MODULE(_io, m) {
         .def("submit", &PyEngine::submit, py::arg("dest"), py::arg("dest_offset"), py::arg("file_offset"),
              py::arg("length"), py::arg("tag") = 0, py::arg("urgent") = false,
              "Queue one read; returns a request id to wait on.")
-        .def("wait", &PyEngine::wait, py::arg("request_id"))
+        .def("wait", &PyEngine::wait, py::arg("request_id"),
+             "Block until the request completes (IoError if it failed); returns its service time in seconds.")
         .def("wait_all", &PyEngine::wait_all, py::arg("request_ids"))
         .def("is_done", [](PyEngine& p, uint64_t id) { return p.eng().is_done(id); }, py::arg("request_id"))
         .def("read", &PyEngine::read, py::arg("batch"), py::arg("urgent") = true,

@@ -2,6 +2,7 @@
 #include "io_engine.h"
 
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
@@ -11,6 +12,12 @@
 namespace lqf {
 
 static std::string errno_text(int err) { return std::string(std::strerror(err)); }
+
+uint64_t now_ns() {
+    return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                     std::chrono::steady_clock::now().time_since_epoch())
+                                     .count());
+}
 
 Engine::Engine(const std::string& path, const EngineOptions& opts) : path_(path), opts_(opts) {
     if (opts_.queue_depth == 0 || opts_.queue_depth > 4096)
@@ -95,6 +102,7 @@ uint64_t Engine::submit(uint64_t file_offset, uint64_t length, char* dest, int64
         r.length = length;
         r.dest = dest;
         r.tag = tag;
+        r.submit_ns = now_ns();
         Completion c;
         c.tag = tag;
         table_.emplace(id, c);
@@ -127,6 +135,7 @@ void Engine::complete(const ReadRequest& r, int err, const std::string& msg) {
             it->second.done = true;
             it->second.err = err;
             it->second.message = msg;
+            it->second.service_ns = now_ns() - r.submit_ns;
         }
         --outstanding_;
         if (!err) {
@@ -137,7 +146,7 @@ void Engine::complete(const ReadRequest& r, int err, const std::string& msg) {
     done_cv_.notify_all();
 }
 
-void Engine::wait(uint64_t id) {
+double Engine::wait(uint64_t id) {
     Completion c;
     {
         std::unique_lock<std::mutex> lk(mu);
@@ -148,6 +157,7 @@ void Engine::wait(uint64_t id) {
         table_.erase(id);
     }
     if (c.err) throw IoError(c.err, c.tag, c.message);
+    return static_cast<double>(c.service_ns) * 1e-9;
 }
 
 bool Engine::is_done(uint64_t id) {

@@ -40,6 +40,7 @@ struct ReadRequest {
     char* dest = nullptr;
     int64_t tag = 0;
     uint64_t done_bytes = 0;  // progress, for resubmitting short reads
+    uint64_t submit_ns = 0;   // steady clock, for service-time statistics
 };
 
 struct Completion {
@@ -47,9 +48,11 @@ struct Completion {
     int err = 0;              // 0 on success
     std::string message;
     int64_t tag = 0;
+    uint64_t service_ns = 0;  // submit -> completion
 };
 
 class Backend;
+uint64_t now_ns();
 
 struct EngineOptions {
     std::string kind = "auto";   // "auto", "uring", "pread"
@@ -68,8 +71,9 @@ class Engine {
     // Queue a read of [file_offset, file_offset + length) into dest. Validates alignment and
     // bounds before anything is submitted (throws IoError(EINVAL) naming the tag).
     uint64_t submit(uint64_t file_offset, uint64_t length, char* dest, int64_t tag, bool urgent);
-    // Block until request id completes; throws IoError if it failed. Forgets the id.
-    void wait(uint64_t id);
+    // Block until request id completes; throws IoError if it failed. Forgets the id. Returns the
+    // request's service time (submit -> completion) in seconds.
+    double wait(uint64_t id);
     bool is_done(uint64_t id);
     // Block until every outstanding request completes (used before buffers are freed).
     void drain();

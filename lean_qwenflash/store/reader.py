@@ -124,13 +124,17 @@ class ExpertStore:
         return self.engine.submit(dest, dest_offset, rec.offset(expert_id), rec.record_bytes,
                                   self.tag(layer_idx, expert_id), urgent)
 
-    def finish(self, request_id: int, layer_idx: int, expert_id: int, dest, dest_offset: int = 0) -> None:
-        """Wait for a read started by :meth:`submit` and verify its checksum if not yet verified."""
+    def finish(self, request_id: int, layer_idx: int, expert_id: int, dest, dest_offset: int = 0) -> float:
+        """Wait for a read started by :meth:`submit`, verify its checksum if not yet verified, and
+        return the read's service time in seconds."""
         try:
-            self.engine.wait(request_id)
+            service_s = self.engine.wait(request_id)
         except IoError as e:
-            raise IoError(e.errno, f"{e.strerror} [{self.describe_tag(e.tag)} of {self.path}]") from e
+            err = IoError(e.errno, f"{e.strerror} [{self.describe_tag(e.tag)} of {self.path}]")
+            err.tag = e.tag
+            raise err from e
         self.verify(layer_idx, expert_id, dest, dest_offset)
+        return service_s
 
     def verify(self, layer_idx: int, expert_id: int, dest, dest_offset: int = 0) -> None:
         if not self.verify_checksums:

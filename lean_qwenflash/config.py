@@ -1,0 +1,182 @@
+"""Runtime configuration: YAML files under configs/ loaded into validated dataclasses.
+
+Every knob lives here (none in environment variables) so `doctor` and `stats` can print them and
+a typo is an error that names the key. Sizes accept integers or strings like "8GiB", "512MiB",
+"1.5GB".
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+IO_ENGINES = ("auto", "uring", "pread")
+DTYPES = ("float32", "bfloat16", "float16")
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+def parse_size(value, key: str) -> int:
+    """Bytes from an int or a string such as "8GiB", "512 MiB", "1.5GB"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like 8GiB or 512MiB, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{key}: cannot read {value!r} as a size; write e.g. 8GiB, 512MiB, 1.5GB or a byte count")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(f"{key}: expected a size like 8GiB or 512MiB, got {value!r}")
+    if n < 0:
+        raise ConfigError(f"{key}: size must not be negative, got {value!r}")
+    return n
+
+
+def format_size(n: int) -> str:
+    for unit, f in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= f:
+            return f"{n / f:.1f}{unit}"
+    return f"{n}B"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    max_queue: int = 8                  # waiting requests beyond the one generating; more get 429
+    max_request_bytes: int = 4 * 1024 * 1024
+    prefix_cache_bytes: int = 512 * 1024 * 1024
+    model_name: Optional[str] = None    # name served at /v1/models (default: the pack's directory name)
+
+
+@dataclass
+class GenerationConfig:
+    max_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    min_p: float = 0.0
+    prefill_chunk_tokens: int = 256
+
+
+@dataclass
+class RuntimeConfig:
+    model: Optional[str] = None         # pack directory; None = the built-in default model
+    device: str = "cpu"                 # "cpu", "cuda", "cuda:1"
+    dtype: str = "float32"              # compute dtype of resident weights
+    host_cache_bytes: int = 1024**3     # RAM expert cache (the compute tier on a CPU-only machine)
+    device_cache_bytes: int = 0         # VRAM expert cache; 0 = no device tier
+    io_engine: str = "auto"
+    io_queue_depth: int = 32
+    verify_checksums: bool = True
+    prefetch: bool = True
+    prefetch_lookahead: int = 1         # layers ahead whose experts are predicted and read
+    prefetch_extra: int = 0             # predict top-k + this many experts per layer
+    server: ServerConfig = field(default_factory=ServerConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    source: Optional[str] = None        # file it was loaded from (not a key)
+
+    def validate(self) -> "RuntimeConfig":
+        if self.io_engine not in IO_ENGINES:
+            raise ConfigError(f"io_engine: must be one of {', '.join(IO_ENGINES)}, got {self.io_engine!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+            raise ConfigError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not 1 <= self.io_queue_depth <= 4096:
+            raise ConfigError(f"io_queue_depth: must be in 1..4096, got {self.io_queue_depth}")
+        if self.prefetch_lookahead < 1 or self.prefetch_lookahead > 8:
+            raise ConfigError(f"prefetch_lookahead: must be in 1..8, got {self.prefetch_lookahead}")
+        if self.prefetch_extra < 0:
+            raise ConfigError(f"prefetch_extra: must be >= 0, got {self.prefetch_extra}")
+        if self.host_cache_bytes <= 0:
+            raise ConfigError("host_cache_bytes: must be positive (it holds the experts being computed)")
+        if self.device == "cpu" and self.device_cache_bytes:
+            raise ConfigError("device_cache_bytes: must be 0 when device is 'cpu' (the host cache is the compute tier)")
+        if not 0 < self.server.port < 65536:
+            raise ConfigError(f"server.port: must be in 1..65535, got {self.server.port}")
+        if self.server.max_queue < 0:
+            raise ConfigError(f"server.max_queue: must be >= 0, got {self.server.max_queue}")
+        return self
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        if d["server"].get("api_key"):
+            d["server"]["api_key"] = "***"
+        return d
+
+
+_SIZE_KEYS = {"host_cache_bytes", "device_cache_bytes", "max_request_bytes", "prefix_cache_bytes"}
+
+
+def _fill(cls, data: dict, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source"}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(prefix + k for k in unknown)}; known keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, value in data.items():
+        key = prefix + name
+        f = fields[name]
+        if name in ("server", "generation"):
+            kwargs[name] = _fill(ServerConfig if name == "server" else GenerationConfig, value or {}, key + ".")
+            continue
+        if name in _SIZE_KEYS:
+            kwargs[name] = parse_size(value, key)
+            continue
+        want = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if value is None:
+            if "Optional" not in want:
+                raise ConfigError(f"{key}: must not be empty")
+        elif "bool" in want:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        elif "int" in want:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        elif "float" in want:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{key}: expected a number, got {value!r}")
+            value = float(value)
+        elif "str" in want and not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def load_config(path=None, **overrides) -> RuntimeConfig:
+    """Load and validate a YAML config (or the defaults when ``path`` is None); keyword overrides
+    (e.g. ``model=...``) are applied before validation."""
+    data = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = _fill(RuntimeConfig, data, "")
+    if cfg.model is not None and path is not None and not Path(cfg.model).is_absolute() and "model" not in overrides:
+        # Relative pack paths in a config file are relative to the file.
+        cfg.model = str((Path(path).parent / cfg.model).resolve())
+    cfg.source = str(path) if path else None
+    return cfg.validate()
