@@ -17,8 +17,36 @@ class ExpertWeights(NamedTuple):
     down: torch.Tensor      # [H, I]
 
 
+RECORD_ALIGNMENT_BYTES = 4096
+
+
+def aligned_record(gate_up: torch.Tensor, down: torch.Tensor,
+                   alignment_bytes: int = RECORD_ALIGNMENT_BYTES) -> ExpertWeights:
+    """Copy one expert into a fresh ``alignment_bytes``-aligned buffer laid out like a store record:
+    ``gate_up`` at the start, ``down`` right after it.
+
+    BLAS kernels pick code paths by pointer alignment, so the same weights at different alignments
+    can give different low-order bits. Keeping resident experts in record layout makes them
+    bit-identical to a streaming provider that returns views into aligned slots.
+    """
+    dtype, device = gate_up.dtype, gate_up.device
+    elt = gate_up.element_size()
+    num_bytes = (gate_up.numel() + down.numel()) * elt
+    raw = torch.empty(num_bytes + alignment_bytes, dtype=torch.uint8, device=device)
+    start = (-raw.data_ptr()) % alignment_bytes
+    flat = raw[start:start + num_bytes].view(dtype)
+    out_gate_up = flat[:gate_up.numel()].view(gate_up.shape)
+    out_down = flat[gate_up.numel():].view(down.shape)
+    out_gate_up.copy_(gate_up)
+    out_down.copy_(down)
+    return ExpertWeights(out_gate_up, out_down)
+
+
 class ExpertProvider:
     """Base class: serves ``(layer_idx, expert_ids) -> [ExpertWeights]``."""
+
+    # Most experts one acquire may ask for (None: no limit); callers split larger requests.
+    max_experts_per_acquire = None
 
     def acquire(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
         raise NotImplementedError
@@ -42,8 +70,8 @@ class ResidentExperts(ExpertProvider):
 
     def to(self, device=None, dtype=None) -> "ResidentExperts":
         return ResidentExperts({
-            layer: [ExpertWeights(w.gate_up.to(device=device, dtype=dtype),
-                                  w.down.to(device=device, dtype=dtype)) for w in ws]
+            layer: [aligned_record(w.gate_up.to(device=device, dtype=dtype),
+                                   w.down.to(device=device, dtype=dtype)) for w in ws]
             for layer, ws in self.layers.items()
         })
 

@@ -1,0 +1,77 @@
+"""A fixed set of record-sized slots with LRU replacement and pinning.
+
+Invariant: a slot is evictable only when it is in ``lru``, i.e. it holds complete, verified
+bytes (no read or copy in flight) and nothing is computing with it (pin count 0). Everything else
+(pinned, reading, copying) is simply absent from ``lru`` and so can never be handed to another
+expert.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Optional
+
+EMPTY, READING, READY = 0, 1, 2
+
+
+class SlotCache:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self.key_of: list = [None] * num_slots
+        self.slot_of: dict = {}
+        self.state = [EMPTY] * num_slots
+        self.pins = [0] * num_slots
+        self.lru: "OrderedDict[int, None]" = OrderedDict()   # evictable slots, least recent first
+        self.free = list(range(num_slots - 1, -1, -1))
+
+    def lookup(self, key: Hashable) -> Optional[int]:
+        return self.slot_of.get(key)
+
+    def pin(self, slot: int) -> None:
+        self.pins[slot] += 1
+        self.lru.pop(slot, None)
+
+    def unpin(self, slot: int) -> None:
+        self.pins[slot] -= 1
+        assert self.pins[slot] >= 0, "slot unpinned more often than pinned"
+        self._maybe_evictable(slot)
+
+    def mark_ready(self, slot: int) -> None:
+        self.state[slot] = READY
+        self._maybe_evictable(slot)
+
+    def _maybe_evictable(self, slot: int) -> None:
+        if self.pins[slot] == 0 and self.state[slot] == READY and self.key_of[slot] is not None:
+            self.lru[slot] = None
+            self.lru.move_to_end(slot)
+
+    def make_cold(self, slot: int) -> None:
+        """Put an evictable slot first in line for eviction (its contents live on elsewhere)."""
+        if slot in self.lru:
+            self.lru.move_to_end(slot, last=False)
+
+    def allocate(self, key: Hashable):
+        """A slot for ``key`` in state READING: a free one, else the least recently used
+        evictable one. Returns (slot, evicted_key) or (None, None) when every slot is busy."""
+        if self.free:
+            slot, old = self.free.pop(), None
+        elif self.lru:
+            slot, _ = self.lru.popitem(last=False)
+            old = self.key_of[slot]
+            del self.slot_of[old]
+        else:
+            return None, None
+        self.key_of[slot] = key
+        self.slot_of[key] = slot
+        self.state[slot] = READING
+        return slot, old
+
+    def drop(self, slot: int) -> None:
+        """Forget a slot's contents (after a failed read)."""
+        key = self.key_of[slot]
+        if key is not None:
+            self.slot_of.pop(key, None)
+        self.key_of[slot] = None
+        self.state[slot] = EMPTY
+        self.lru.pop(slot, None)
+        if self.pins[slot] == 0:
+            self.free.append(slot)

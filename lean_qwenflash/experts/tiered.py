@@ -1,0 +1,349 @@
+"""`TieredExperts`: routed experts streamed from the pack through a host and a device tier.
+
+    store (experts.bin) --O_DIRECT read--> host slot (aligned arena; pinned on CUDA)
+                        --async copy-----> device slot (CUDA; or a CPU "device" in tests)
+
+On a CPU-only machine the host arena is the compute tier: the matmul reads the slot the SSD wrote,
+no copy in between. With a device tier the host arena is the staging area and a second-level
+cache; a host copy that has been promoted to the device is made the first to be evicted, so the
+two budgets mostly hold different experts.
+
+Layer-ahead prefetch: the model calls ``layer_input(L, x)`` with layer L's router input. Once
+layer L's own experts are pinned, layer L+1's (..L+lookahead's) router is applied to that same
+input (the "stale gate"); predicted experts that are not cached are read speculatively, behind any
+demand read (demand reads are submitted as urgent and jump the engine's pending queue), and never
+more than ``io_queue_depth`` speculative reads are in flight.
+
+Every served expert is bit-identical to the pack's bytes (checksum on first read) and hence to
+``ResidentExperts`` loaded from the same pack.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional, Sequence
+
+import torch
+
+from ..config import ConfigError, format_size
+from ..io_engine import AlignedBuffer
+from ..store.checkpoint import TORCH_DTYPES
+from .cache import READING, SlotCache
+from .provider import ExpertProvider, ExpertWeights
+from .stats import TierStats
+
+
+class TieredExperts(ExpertProvider):
+    def __init__(self, store, host_cache_bytes: int, top_k: int, routers: Optional[dict] = None,
+                 device: str | torch.device = "cpu", device_cache_bytes: int = 0, prefetch: bool = True,
+                 prefetch_lookahead: int = 1, prefetch_extra: int = 0, max_speculative: Optional[int] = None):
+        self.store = store
+        self.top_k = top_k
+        self.slot_bytes = store.max_record_bytes
+        self.layers = sorted(store.moe_layers)
+        self._next_layers = {l: self.layers[i + 1:] for i, l in enumerate(self.layers)}
+        self.stats = TierStats(self.layers)
+
+        need = top_k * self.slot_bytes
+        num_host = host_cache_bytes // self.slot_bytes
+        if num_host < top_k:
+            raise ConfigError(f"host_cache_bytes: {format_size(host_cache_bytes)} holds {num_host} expert records "
+                              f"of {format_size(self.slot_bytes)}; the minimum is one layer's top-k ({top_k}) = "
+                              f"{need} bytes ({format_size(need)})")
+        self.device = torch.device(device)
+        self.host = SlotCache(num_host)
+        self.arena = AlignedBuffer(num_host * self.slot_bytes)
+        self.host_bytes = torch.frombuffer(self.arena, dtype=torch.uint8).view(num_host, self.slot_bytes)
+        self._host_requests: dict[int, int] = {}         # slot -> engine request id, while READING
+        self._prefetched = [False] * num_host            # read speculatively and not yet used
+        self._speculative: deque = deque()               # host slots with speculative reads in flight
+        self.max_speculative = max_speculative or (store.engine.queue_depth if store.engine else 1)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda:
+            # Pinned host memory makes the H2D copies true async DMA.
+            rc = torch.cuda.cudart().cudaHostRegister(self.arena.address, self.arena.nbytes, 0)
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of the {format_size(self.arena.nbytes)} host cache failed ({rc})")
+
+        self.dev: Optional[SlotCache] = None
+        if device_cache_bytes:
+            num_dev = device_cache_bytes // self.slot_bytes
+            if num_dev < top_k:
+                raise ConfigError(f"device_cache_bytes: {format_size(device_cache_bytes)} holds {num_dev} expert "
+                                  f"records; the minimum is one layer's top-k ({top_k}) = {need} bytes "
+                                  f"({format_size(need)})")
+            self.dev = SlotCache(num_dev)
+            self.dev_bytes = torch.empty((num_dev, self.slot_bytes), dtype=torch.uint8, device=self.device)
+            self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+            self._dev_events: dict[int, object] = {}     # device slot -> event of its fill copy
+            self._host_events: dict[int, object] = {}    # host slot -> event of a copy reading it
+        elif self.device.type != "cpu":
+            raise ConfigError("device_cache_bytes: a GPU device needs a device expert cache (> 0)")
+
+        self.routers = routers or {}
+        self.prefetch = prefetch and bool(self.routers)
+        self.prefetch_lookahead = prefetch_lookahead
+        self.prefetch_extra = prefetch_extra
+        self._hidden: dict[int, torch.Tensor] = {}
+        self._pinned: dict[int, list] = {}
+        self._views: dict = {}
+
+    # -- sizes ----------------------------------------------------------------------------------
+    @property
+    def max_experts_per_acquire(self) -> int:
+        return min(self.host.num_slots, self.dev.num_slots if self.dev else self.host.num_slots)
+
+    @property
+    def num_host_slots(self) -> int:
+        return self.host.num_slots
+
+    @property
+    def num_device_slots(self) -> int:
+        return self.dev.num_slots if self.dev else 0
+
+    # -- views ----------------------------------------------------------------------------------
+    def _view(self, base: torch.Tensor, tier: str, slot: int, layer_idx: int) -> ExpertWeights:
+        rec = self.store.layer(layer_idx)
+        key = (tier, slot, rec.tensors)
+        v = self._views.get(key)
+        if v is None:
+            parts = []
+            for t in rec.tensors:
+                raw = base[slot, t.offset:t.offset + t.nbytes]
+                parts.append(raw.view(TORCH_DTYPES[t.dtype]).view(t.shape))
+            v = self._views[key] = ExpertWeights(*parts)
+        return v
+
+    # -- host tier ------------------------------------------------------------------------------
+    def _host_alloc(self, key, layer_idx: int):
+        while True:
+            slot, old = self.host.allocate(key)
+            if slot is not None:
+                break
+            if self.dev is not None and self._host_events:
+                self._sync_host_copies()
+                continue
+            if not self._speculative:
+                raise RuntimeError(f"host expert cache exhausted: all {self.host.num_slots} slots are in use by "
+                                   f"layer {layer_idx}; raise host_cache_bytes")
+            self._finish_host(self._speculative.popleft())   # oldest speculative read frees its slot
+        if old is not None:
+            self._evicted(slot, old)
+        if self.dev is not None and slot in self._host_events:
+            self._host_events.pop(slot).synchronize()        # a copy still reads this slot
+        return slot
+
+    def _evicted(self, slot: int, old_key) -> None:
+        if self._prefetched[slot]:
+            self._prefetched[slot] = False
+            self.stats.layers[old_key[0]].prefetch_wasted += 1
+
+    def _host_submit(self, slot: int, layer_idx: int, expert_id: int, urgent: bool) -> None:
+        self._host_requests[slot] = self.store.submit(layer_idx, expert_id, self.arena, slot * self.slot_bytes,
+                                                      urgent=urgent)
+        self.stats.layers[layer_idx].bytes_read += self.store.record_bytes(layer_idx)
+
+    def _finish_host(self, slot: int) -> None:
+        """Wait for the read into a host slot (if any) and make the slot READY."""
+        rid = self._host_requests.pop(slot, None)
+        if rid is None:
+            return
+        layer_idx, expert_id = self.host.key_of[slot]
+        try:
+            service_s = self.store.finish(rid, layer_idx, expert_id, self.arena, slot * self.slot_bytes)
+        except Exception:
+            pins = self.host.pins[slot]
+            for _ in range(pins):
+                self.host.unpin(slot)
+            self.host.drop(slot)
+            self._prefetched[slot] = False
+            raise
+        self.stats.layers[layer_idx].read_time_s += service_s
+        self.host.mark_ready(slot)
+
+    def _ensure_host(self, layer_idx: int, expert_ids: Sequence[int], count: bool = True) -> list[int]:
+        """Pinned, READY host slots holding the given experts; demand reads for misses."""
+        st = self.stats.layers[layer_idx]
+        slots, waits = [], []
+        for e in expert_ids:
+            key = (layer_idx, e)
+            slot = self.host.lookup(key)
+            if slot is not None:
+                self.host.pin(slot)
+                if count:
+                    st.hits_host += 1
+                if self._prefetched[slot]:
+                    self._prefetched[slot] = False
+                    st.prefetch_useful += 1
+                if self.host.state[slot] == READING:
+                    waits.append(slot)
+            else:
+                slot = self._host_alloc(key, layer_idx)
+                self.host.pin(slot)
+                st.misses += 1
+                self._host_submit(slot, layer_idx, e, urgent=True)
+                waits.append(slot)
+            slots.append(slot)
+        if waits:
+            t0 = time.perf_counter()
+            try:
+                for slot in waits:
+                    if slot in self._speculative:
+                        self._speculative.remove(slot)
+                    self._finish_host(slot)
+            finally:
+                st.stall_time_s += time.perf_counter() - t0
+        return slots
+
+    # -- device tier ----------------------------------------------------------------------------
+    def _sync_host_copies(self) -> None:
+        for ev in self._host_events.values():
+            ev.synchronize()
+        self._host_events.clear()
+
+    def _acquire_device(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
+        st = self.stats.layers[layer_idx]
+        dev_slots, missing = [], []
+        for i, e in enumerate(expert_ids):
+            slot = self.dev.lookup((layer_idx, e))
+            if slot is not None:
+                self.dev.pin(slot)
+                st.hits_device += 1
+                dev_slots.append(slot)
+            else:
+                dev_slots.append(None)
+                missing.append(i)
+        if missing:
+            ids = [expert_ids[i] for i in missing]
+            host_slots = self._ensure_host(layer_idx, ids)
+            for i, hslot in zip(missing, host_slots):
+                key = (layer_idx, expert_ids[i])
+                dslot, old = self.dev.allocate(key)
+                if self._cuda:
+                    self._dev_events.pop(dslot, None)
+                if dslot is None:
+                    raise RuntimeError(f"device expert cache exhausted: all {self.dev.num_slots} slots are in use; "
+                                       "raise device_cache_bytes")
+                self.dev.pin(dslot)
+                self._copy_to_device(dslot, hslot)
+                self.dev.mark_ready(dslot)        # pinned, so not evictable before release
+                self.host.unpin(hslot)
+                self.host.make_cold(hslot)        # lives on in VRAM now: evict its host copy first
+                st.h2d_copies += 1
+                dev_slots[i] = dslot
+        if self._cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for d in dev_slots:
+                ev = self._dev_events.get(d)
+                if ev is not None:
+                    stream.wait_event(ev)       # compute waits for its copy, not for all copies
+        return dev_slots
+
+    def _copy_to_device(self, dslot: int, hslot: int) -> None:
+        if self._cuda:
+            with torch.cuda.stream(self._copy_stream):
+                self.dev_bytes[dslot].copy_(self.host_bytes[hslot], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._copy_stream)
+            self._dev_events[dslot] = ev
+            self._host_events[hslot] = ev
+        else:
+            self.dev_bytes[dslot].copy_(self.host_bytes[hslot])
+
+    # -- provider interface -------------------------------------------------------------------
+    def layer_input(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
+        if self.prefetch:
+            self._hidden[layer_idx] = hidden_states
+
+    def acquire(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
+        expert_ids = [int(e) for e in expert_ids]
+        self.stats.layers[layer_idx].lookups += len(expert_ids)
+        self._reap_speculative()
+        if self.dev is not None:
+            slots = self._acquire_device(layer_idx, expert_ids)
+            self._pinned.setdefault(layer_idx, []).append(("dev", slots))
+            views = [self._view(self.dev_bytes, "dev", s, layer_idx) for s in slots]
+        else:
+            slots = self._ensure_host(layer_idx, expert_ids)
+            self._pinned.setdefault(layer_idx, []).append(("host", slots))
+            views = [self._view(self.host_bytes, "host", s, layer_idx) for s in slots]
+        if self.prefetch:
+            self._prefetch_after(layer_idx)
+        return views
+
+    def release(self, layer_idx: int, expert_ids: Sequence[int]) -> None:
+        stack = self._pinned.get(layer_idx)
+        if not stack:
+            return
+        tier, slots = stack.pop()
+        cache = self.dev if tier == "dev" else self.host
+        for s in slots:
+            cache.unpin(s)
+
+    # -- prefetch -------------------------------------------------------------------------------
+    def _predict(self, layer_idx: int, hidden: torch.Tensor) -> list[int]:
+        w = self.routers[layer_idx]
+        logits = torch.nn.functional.linear(hidden.to(w.dtype), w)
+        k = min(self.top_k + self.prefetch_extra, logits.shape[-1])
+        top = torch.topk(logits, k, dim=-1).indices
+        if top.shape[0] == 1:
+            return top[0].tolist()
+        # Many tokens (prefill): the experts picked by the most tokens first.
+        counts = torch.bincount(top.flatten(), minlength=logits.shape[-1])
+        order = torch.argsort(counts, descending=True, stable=True)
+        return [int(e) for e in order[: int((counts > 0).sum())]]
+
+    def _reap_speculative(self) -> None:
+        """Make finished speculative reads READY (verified, evictable) without blocking."""
+        eng = self.store.engine
+        while self._speculative and eng.is_done(self._host_requests[self._speculative[0]]):
+            self._finish_host(self._speculative.popleft())
+
+    def _prefetch_after(self, layer_idx: int) -> None:
+        hidden = self._hidden.pop(layer_idx, None)
+        if hidden is None:
+            return
+        for nxt in self._next_layers[layer_idx][: self.prefetch_lookahead]:
+            if nxt not in self.routers:
+                continue
+            for e in self._predict(nxt, hidden):
+                key = (nxt, e)
+                if (self.dev is not None and self.dev.lookup(key) is not None) or self.host.lookup(key) is not None:
+                    continue
+                if len(self._speculative) >= self.max_speculative:
+                    return
+                slot, old = self.host.allocate(key)
+                if slot is None:
+                    return                      # everything else is pinned or in flight: skip
+                if old is not None:
+                    self._evicted(slot, old)
+                if self.dev is not None and slot in self._host_events:
+                    self._host_events.pop(slot).synchronize()
+                self._host_submit(slot, nxt, e, urgent=False)
+                self._prefetched[slot] = True
+                self._speculative.append(slot)
+                self.stats.layers[nxt].prefetch_issued += 1
+
+    def drain(self) -> None:
+        """Finish every speculative read (before closing the store)."""
+        while self._speculative:
+            self._finish_host(self._speculative.popleft())
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.cudart().cudaHostUnregister(self.arena.address)
+
+    def describe(self) -> str:
+        parts = [f"host tier {self.host.num_slots} slots x {format_size(self.slot_bytes)} = "
+                 f"{format_size(self.host.num_slots * self.slot_bytes)}"]
+        if self.dev:
+            parts.append(f"device tier ({self.device}) {self.dev.num_slots} slots = "
+                         f"{format_size(self.dev.num_slots * self.slot_bytes)}")
+        eng = self.store.engine
+        parts.append(f"I/O {eng.kind} depth {eng.queue_depth}" + ("" if eng.direct else " (buffered)"))
+        parts.append(f"prefetch {'on, lookahead ' + str(self.prefetch_lookahead) if self.prefetch else 'off'}")
+        return "; ".join(parts)

@@ -1,0 +1,103 @@
+"""A pack opened for generation: store, resident model, expert provider and tokenizer together.
+
+This is what the CLI, the server and the benchmarks open; everything below it (models, experts,
+store) knows nothing of configs.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .config import ConfigError, RuntimeConfig, load_config
+from .experts.provider import ResidentExperts
+from .experts.tiered import TieredExperts
+from .store import ExpertStore
+from .store import naming
+from .store.checkpoint import TORCH_DTYPES
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+
+
+def router_weights(resident: dict, config: dict) -> dict:
+    """{layer_idx: router weight [E, H]} for every MoE layer, from the resident tensors."""
+    names = naming.arch_names(config)
+    out = {}
+    for layer in naming.moe_layer_indices(config):
+        key = f"model.layers.{layer}.{names.moe_module}.gate.weight"
+        if key in resident:
+            out[layer] = resident[key]
+    return out
+
+
+class Runtime:
+    def __init__(self, cfg: RuntimeConfig, store: ExpertStore, model, provider, tokenizer=None):
+        self.cfg = cfg
+        self.store = store
+        self.model = model
+        self.provider = provider
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def open(cls, cfg: Optional[RuntimeConfig] = None, resident_experts: bool = False) -> "Runtime":
+        """Open ``cfg.model`` (a pack directory). ``resident_experts`` loads every expert into
+        memory instead of streaming (the lossless reference)."""
+        from .models.loader import build_model
+
+        cfg = cfg or load_config()
+        if cfg.model is None:
+            raise ConfigError("model: no pack given (set `model:` in the config or pass --model)")
+        store = ExpertStore.open(cfg.model, engine=cfg.io_engine, queue_depth=cfg.io_queue_depth,
+                                 verify_checksums=cfg.verify_checksums)
+        config = store.config
+        expert_dtypes = {t.dtype for l in store.manifest.layers for t in l.tensors}
+        dtype = TORCH_DTYPES[cfg.dtype]
+        if expert_dtypes and expert_dtypes != {cfg.dtype}:
+            raise ConfigError(f"dtype: the pack's experts are {', '.join(sorted(expert_dtypes))} but dtype is "
+                              f"{cfg.dtype}; set dtype to {sorted(expert_dtypes)[0]} (or re-pack with --dtype {cfg.dtype})")
+        device = torch.device(cfg.device)
+        resident = store.load_resident(device=device, dtype=dtype)
+        _, top_k, _, _ = naming.expert_dims(config) if store.manifest.layers else (0, 1, 0, 0)
+        if resident_experts:
+            provider = store.load_all_experts()
+            if device.type != "cpu":
+                provider = provider.to(device=device)
+        else:
+            provider = TieredExperts(
+                store, host_cache_bytes=cfg.host_cache_bytes, top_k=top_k, routers=router_weights(resident, config),
+                device=device, device_cache_bytes=cfg.device_cache_bytes, prefetch=cfg.prefetch,
+                prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
+        model = build_model(config, resident, provider, dtype=dtype, device=device)
+        tokenizer = None
+        if (Path(cfg.model) / "tokenizer.json").is_file():
+            try:
+                from .chat import load_tokenizer
+                tokenizer = load_tokenizer(cfg.model)
+            except ImportError:
+                tokenizer = None
+        return cls(cfg, store, model, provider, tokenizer)
+
+    def stats(self) -> dict:
+        if isinstance(self.provider, TieredExperts):
+            return self.provider.stats.snapshot()
+        return {}
+
+    def stats_table(self, per_layer: bool = False) -> str:
+        if isinstance(self.provider, TieredExperts):
+            return self.provider.stats.table(per_layer=per_layer)
+        return "(all experts resident: no tier statistics)"
+
+    def close(self) -> None:
+        if isinstance(self.provider, TieredExperts):
+            self.provider.close()
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+__all__ = ["Runtime", "ResidentExperts", "router_weights", "DEFAULT_MODEL_DIR"]

@@ -1,0 +1,227 @@
+"""Streaming through the host/device tiers is lossless, eviction-safe and accounted for."""
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from lean_qwenflash import io_engine
+from lean_qwenflash.config import ConfigError, load_config
+from lean_qwenflash.experts.tiered import TieredExperts
+from lean_qwenflash.generate.generator import Generator
+from lean_qwenflash.generate.sampling import SamplingParams
+from lean_qwenflash.runtime import Runtime, router_weights
+from lean_qwenflash.store import ExpertStore, pack
+
+hf_models = pytest.importorskip("hf_models")
+
+ENGINES = ["uring", "pread"] if io_engine.uring_compiled() else ["pread"]
+FAMILIES = ["qwen3_next", "qwen3_moe", "mixtral", "olmoe"]
+REPO = Path(__file__).resolve().parents[1]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packs")
+    out = {}
+    for family in FAMILIES:
+        c = hf_models.case(family)
+        out[family] = root / family
+        pack(c.path, out[family], progress=False)
+    return out
+
+
+def _reference(pack_dir, prompt):
+    cfg = load_config(model=str(pack_dir))
+    with Runtime.open(cfg, resident_experts=True) as rt:
+        logits = rt.model(prompt)
+        tokens = list(Generator(rt.model).generate(prompt[0].tolist(), GREEDY, 16))
+    return logits, tokens
+
+
+def _budgets(store, top_k):
+    total = sum(l.num_experts for l in store.manifest.layers)
+    slot = store.max_record_bytes
+    return {"minimum": top_k * slot, "quarter": max(top_k, total // 4) * slot, "all": total * slot}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_equals_resident_bit_for_bit(family, packs):
+    c = hf_models.case(family)
+    ref_logits, ref_tokens = _reference(packs[family], c.prompt)
+    store = ExpertStore.open(packs[family])
+    top_k = int(c.config["num_experts_per_tok"])
+    budgets = _budgets(store, top_k)
+    store.close()
+    combos = [(b, pf, eng, dev) for b in budgets for pf in (False, True) for eng in ENGINES for dev in (False, True)]
+    for budget, prefetch, engine, device_tier in combos:
+        cfg = load_config(model=str(packs[family]), host_cache_bytes=budgets[budget], prefetch=prefetch,
+                          io_engine=engine)
+        rt = Runtime.open(cfg)
+        if device_tier:  # the same two-tier code that runs on CUDA, with the "device" on the CPU
+            rt.provider.close()
+            rt.provider = TieredExperts(rt.store, budgets[budget], top_k,
+                                        routers=router_weights(rt.store.load_resident(), rt.store.config),
+                                        device="cpu", device_cache_bytes=budgets["minimum"], prefetch=prefetch)
+            rt.model.set_expert_provider(rt.provider)
+        label = f"{family} budget={budget} prefetch={prefetch} engine={engine} device_tier={device_tier}"
+        logits = rt.model(c.prompt)
+        assert torch.equal(logits, ref_logits), label
+        tokens = list(Generator(rt.model).generate(c.prompt[0].tolist(), GREEDY, 16))
+        assert tokens == ref_tokens, label
+        snap = rt.stats()["total"]
+        assert snap["lookups"] == snap["hits_device"] + snap["hits_host"] + snap["misses"], label
+        if device_tier:
+            assert rt.provider.dev is not None and snap["h2d_copies"] > 0, label
+        if budget == "all" and not prefetch:
+            # Everything fits: each expert is read at most once.
+            assert snap["misses"] <= sum(l.num_experts for l in rt.store.manifest.layers), label
+        rt.close()
+
+
+def test_eviction_stress_never_serves_wrong_expert(packs):
+    """Random routing, minimal caches, speculative reads: every served expert equals the store's."""
+    for device_bytes in (0, None):
+        store = ExpertStore.open(packs["qwen3_next"], queue_depth=4)
+        ref = {(l, e): store.read_expert(l, e) for l in store.moe_layers for e in range(store.layer(l).num_experts)}
+        resident = store.load_resident()
+        slot = store.max_record_bytes
+        top_k = 2
+        tiers = TieredExperts(store, host_cache_bytes=(top_k + 1) * slot, top_k=top_k,
+                              routers=router_weights(resident, store.config),
+                              device_cache_bytes=(top_k * slot if device_bytes is None else 0), prefetch=True,
+                              prefetch_lookahead=2, prefetch_extra=1)
+        rng = random.Random(7)
+        hidden = int(store.config["hidden_size"])
+        layers = store.moe_layers
+        for step in range(3000):
+            layer = rng.choice(layers)
+            tiers.layer_input(layer, torch.randn(rng.choice([1, 3]), hidden))
+            ids = sorted(rng.sample(range(store.layer(layer).num_experts), top_k))
+            served = tiers.acquire(layer, ids)
+            for e, w in zip(ids, served):
+                assert torch.equal(w.gate_up, ref[(layer, e)].gate_up), (step, layer, e)
+                assert torch.equal(w.down, ref[(layer, e)].down), (step, layer, e)
+            tiers.release(layer, ids)
+        tiers.drain()
+        total = tiers.stats.snapshot()["total"]
+        assert total["prefetch_issued"] > 0
+        assert total["lookups"] == 3000 * top_k
+        tiers.close()
+        store.close()
+
+
+def test_statistics_add_up(packs):
+    c = hf_models.case("qwen3_moe")
+    for prefetch in (False, True):
+        cfg = load_config(model=str(packs["qwen3_moe"]), prefetch=prefetch)
+        store = ExpertStore.open(packs["qwen3_moe"])
+        cfg.host_cache_bytes = 5 * store.max_record_bytes
+        store.close()
+        with Runtime.open(cfg) as rt:
+            list(Generator(rt.model).generate(c.prompt[0].tolist(), GREEDY, 12))
+            rt.provider.drain()
+            snap = rt.stats()
+            rec = rt.store.max_record_bytes
+            for layer, s in snap["layers"].items():
+                assert s["lookups"] == s["hits_host"] + s["hits_device"] + s["misses"], layer
+                assert s["bytes_read"] == (s["misses"] + s["prefetch_issued"]) * rec, layer
+                assert s["prefetch_useful"] + s["prefetch_wasted"] <= s["prefetch_issued"], layer
+                if not prefetch:
+                    assert s["bytes_read"] == s["misses"] * rec and s["prefetch_issued"] == 0
+            t = snap["total"]
+            assert t["lookups"] == sum(s["lookups"] for s in snap["layers"].values()) > 0
+            assert t["misses"] > 0 and t["read_time_s"] > 0
+            assert rt.store.engine.bytes_read == t["bytes_read"]
+            table = rt.stats_table(per_layer=True)
+            assert "total" in table and "layer" in table and "hit%" in table
+
+
+def test_budget_below_minimum_is_a_clear_error(packs):
+    store = ExpertStore.open(packs["mixtral"])
+    slot = store.max_record_bytes
+    cfg = load_config(model=str(packs["mixtral"]), host_cache_bytes=slot)
+    with pytest.raises(ConfigError, match=r"host_cache_bytes.*minimum is one layer's top-k \(2\)"):
+        Runtime.open(cfg)
+    with pytest.raises(ConfigError, match=r"device_cache_bytes.*minimum"):
+        TieredExperts(store, 4 * slot, top_k=2, device="cpu", device_cache_bytes=slot)
+    store.close()
+
+
+def test_config_files_and_errors(tmp_path):
+    for f in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(f)
+    cfg = load_config(REPO / "configs" / "cpu-16gb.yaml")
+    assert cfg.host_cache_bytes == 8 * 2**30 and cfg.io_engine == "auto"
+
+    def write(text):
+        p = tmp_path / "c.yaml"
+        p.write_text(text)
+        return p
+
+    cases = [
+        ("host_cache_byte: 1GiB\n", "unknown config key host_cache_byte"),
+        ("host_cache_bytes: 12 parsecs\n", "host_cache_bytes: cannot read"),
+        ("host_cache_bytes: -5\n", "host_cache_bytes: size must not be negative"),
+        ("host_cache_bytes: 0\n", "host_cache_bytes: must be positive"),
+        ("io_engine: libaio\n", "io_engine: must be one of"),
+        ("io_queue_depth: 0\n", "io_queue_depth"),
+        ("io_queue_depth: deep\n", "io_queue_depth: expected an integer"),
+        ("prefetch: maybe\n", "prefetch: expected true or false"),
+        ("device_cache_bytes: 1GiB\n", "device_cache_bytes: must be 0 when device is 'cpu'"),
+        ("device: tpu\n", "device: must be"),
+        ("server:\n  prot: 80\n", "unknown config key server.prot"),
+        ("dtype: int3\n", "dtype: must be one of"),
+        ("[1, 2\n", "not valid YAML"),
+    ]
+    for text, words in cases:
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            load_config(write(text))
+    assert load_config(write("host_cache_bytes: 1.5GB\n")).host_cache_bytes == 1_500_000_000
+    assert load_config(write("host_cache_bytes: 512MiB\n")).host_cache_bytes == 512 * 2**20
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
+
+
+@needs_cuda
+def test_cuda_device_tier_bit_identical(packs):
+    c = hf_models.case("qwen3_next")
+    cfg = load_config(model=str(packs["qwen3_next"]), device="cuda")
+    store = ExpertStore.open(packs["qwen3_next"])
+    cfg.device_cache_bytes = 2 * store.max_record_bytes
+    cfg.host_cache_bytes = 4 * store.max_record_bytes
+    store.close()
+    with Runtime.open(cfg, resident_experts=True) as ref:
+        want = ref.model(c.prompt.cuda())
+    with Runtime.open(cfg) as rt:
+        got = rt.model(c.prompt.cuda())
+        assert rt.stats()["total"]["h2d_copies"] > 0
+    assert torch.equal(got, want)
+
+
+@needs_cuda
+def test_cuda_copies_overlap_compute(packs):
+    """The copy stream runs while the compute stream is busy: its event completes before a long
+    compute kernel enqueued earlier on the default stream does."""
+    store = ExpertStore.open(packs["qwen3_next"])
+    slot = store.max_record_bytes
+    tiers = TieredExperts(store, 8 * slot, top_k=2, device="cuda", device_cache_bytes=4 * slot, prefetch=False)
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    busy = torch.cuda.Event()
+    for _ in range(20):
+        a = a @ a / 64
+    busy.record()
+    tiers.acquire(store.moe_layers[0], [0, 1])
+    copy_events = list(tiers._dev_events.values())
+    assert copy_events and not busy.query(), "compute finished before the copies were even issued"
+    for ev in copy_events:
+        ev.synchronize()
+    assert not busy.query(), "copies waited for unrelated compute: no overlap"
+    tiers.release(store.moe_layers[0], [0, 1])
+    tiers.close()
+    store.close()
