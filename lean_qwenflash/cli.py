@@ -47,6 +47,95 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _runtime_config(args):
+    from .config import load_config
+    overrides = {"model": getattr(args, "model", None)}
+    for key in ("io_engine", "host_cache_bytes"):
+        if getattr(args, key, None) is not None:
+            overrides[key] = getattr(args, key)
+    if getattr(args, "no_prefetch", False):
+        overrides["prefetch"] = False
+    return load_config(args.config, **overrides)
+
+
+def _prompt_ids(args, rt) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--prompt-ids must be integers separated by commas, got {args.prompt_ids!r}") from None
+        vocab = int(rt.store.config["vocab_size"])
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if not ids or bad:
+            raise ValueError(f"--prompt-ids must be non-empty token ids in 0..{vocab - 1}" + (f"; got {bad[:5]}" if bad else ""))
+        return ids
+    if rt.tokenizer is None:
+        raise ValueError(f"the pack {rt.store.path} has no tokenizer.json; give --prompt-ids instead of --prompt")
+    if args.raw or rt.tokenizer.chat_template is None:
+        return rt.tokenizer.encode(args.prompt)
+    return rt.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                            enable_thinking=args.think, tokenize=True)
+
+
+def cmd_generate(args) -> int:
+    import time
+    from .generate.generator import Generator
+    from .generate.sampling import SamplingParams
+    from .runtime import Runtime
+
+    cfg = _runtime_config(args)
+    gen_cfg = cfg.generation
+    params = SamplingParams(temperature=gen_cfg.temperature if args.temperature is None else args.temperature,
+                            top_p=gen_cfg.top_p if args.top_p is None else args.top_p,
+                            top_k=gen_cfg.top_k, min_p=gen_cfg.min_p, seed=args.seed)
+    max_tokens = args.max_tokens or gen_cfg.max_tokens
+    if max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
+    with Runtime.open(cfg) as rt:
+        prompt = _prompt_ids(args, rt)
+        tok = rt.tokenizer
+        stop = set(tok.eos_token_ids) if tok else set()
+        decoder = tok.incremental_decoder(skip_special_tokens=not args.show_special) if tok else None
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        try:
+            for token in Generator(rt.model, cfg.generation.prefill_chunk_tokens).generate(
+                    prompt, params, max_tokens, stop_token_ids=stop):
+                if first is None:
+                    first = time.perf_counter()
+                n += 1
+                piece = decoder.push(token) if decoder else f"{token} "
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            sys.stdout.write("\n[stopped]")
+        if decoder:
+            sys.stdout.write(decoder.finish())
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        end = time.perf_counter()
+        if not args.no_stats:
+            prefill_s = (first or end) - t0
+            decode_s = end - (first or end)
+            if hasattr(rt.provider, "stats"):
+                rt.provider.stats.tokens = len(prompt) + n
+            print(f"\n{len(prompt)} prompt tokens in {prefill_s:.2f} s, {n} generated"
+                  + (f" at {(n - 1) / decode_s:.2f} tokens/s" if n > 1 and decode_s > 0 else ""), file=sys.stderr)
+            if hasattr(rt.provider, "describe"):
+                print(rt.provider.describe(), file=sys.stderr)
+            print(rt.stats_table(per_layer=args.per_layer), file=sys.stderr)
+    return 0
+
+
+def _add_runtime_args(p) -> None:
+    p.add_argument("--config", help="runtime config YAML (see configs/); default: built-in defaults")
+    p.add_argument("--model", help="pack directory (overrides the config's model; default: the built-in model)")
+    p.add_argument("--io-engine", choices=["auto", "uring", "pread"], help="override io_engine")
+    p.add_argument("--host-cache-bytes", help="override host_cache_bytes, e.g. 2GiB")
+    p.add_argument("--no-prefetch", action="store_true", help="turn layer-ahead prefetch off")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lean-qwenflash",
@@ -78,19 +167,42 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("--verify-all", action="store_true", help="read every record and check its CRC-32C")
     ins.add_argument("--no-verify", action="store_true", help="skip checksum verification")
     ins.set_defaults(func=cmd_inspect)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt (streamed), then print tier statistics",
+                         description="Generate a continuation of one prompt, streaming it to stdout; statistics "
+                                     "(tokens/s, expert cache hits, bytes read, stalls) go to stderr. With a "
+                                     "chat model the prompt is sent as a user message through the chat template "
+                                     "(--raw sends it as is).")
+    gen.add_argument("--prompt", help="prompt text")
+    gen.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3 (for packs without a tokenizer)")
+    gen.add_argument("--max-tokens", type=int, help="most tokens to generate (default: config generation.max_tokens)")
+    gen.add_argument("--temperature", type=float, help="0 = greedy (default: config)")
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, help="seed for sampling")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--think", action="store_true", help="let the model think (<think> block) before answering")
+    gen.add_argument("--show-special", action="store_true", help="print special tokens")
+    gen.add_argument("--per-layer", action="store_true", help="per-layer statistics")
+    gen.add_argument("--no-stats", action="store_true", help="do not print statistics")
+    _add_runtime_args(gen)
+    gen.set_defaults(func=cmd_generate)
     return p
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "generate" and (args.prompt is None) == (args.prompt_ids is None):
+        parser.error("generate needs exactly one of --prompt or --prompt-ids")
+    from .config import ConfigError
     from .store.format import StoreError
     from .store.checkpoint import CheckpointError
     from .store.naming import UnsupportedArchitecture
     from .io_engine import IoError
     try:
         return args.func(args)
-    except (StoreError, CheckpointError, UnsupportedArchitecture, FileExistsError, IoError, ValueError) as e:
+    except (StoreError, CheckpointError, UnsupportedArchitecture, ConfigError, FileExistsError, IoError,
+            ValueError) as e:
         print(f"lean-qwenflash {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -31,6 +31,28 @@ def router_weights(resident: dict, config: dict) -> dict:
     return out
 
 
+def default_pack(cache_root: Optional[Path] = None) -> Path:
+    """The built-in default model as a pack: shipped packed, or packed once on first use into
+    ``~/.cache/lean-qwenflash`` (keyed by the checkpoint's size and mtime, so an update re-packs)."""
+    src = DEFAULT_MODEL_DIR
+    if (src / "manifest.json").is_file():
+        return src
+    if not (src / "config.json").is_file():
+        raise ConfigError(f"model: no pack given and the built-in default model is missing from {src}; "
+                          "pass --model PACK or set `model:` in the config")
+    weights = sorted(src.glob("*.safetensors"))
+    stamp = "-".join(f"{w.stat().st_size}x{int(w.stat().st_mtime)}" for w in weights)
+    import hashlib
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
+    root = cache_root or Path.home() / ".cache" / "lean-qwenflash"
+    out = root / f"default-model-{key}"
+    if not (out / "manifest.json").is_file():
+        from .store.packer import pack
+        root.mkdir(parents=True, exist_ok=True)
+        pack(src, out, progress=False, force=out.exists())
+    return out
+
+
 class Runtime:
     def __init__(self, cfg: RuntimeConfig, store: ExpertStore, model, provider, tokenizer=None):
         self.cfg = cfg
@@ -47,7 +69,7 @@ class Runtime:
 
         cfg = cfg or load_config()
         if cfg.model is None:
-            raise ConfigError("model: no pack given (set `model:` in the config or pass --model)")
+            cfg.model = str(default_pack())
         store = ExpertStore.open(cfg.model, engine=cfg.io_engine, queue_depth=cfg.io_queue_depth,
                                  verify_checksums=cfg.verify_checksums)
         config = store.config
@@ -71,11 +93,8 @@ class Runtime:
         model = build_model(config, resident, provider, dtype=dtype, device=device)
         tokenizer = None
         if (Path(cfg.model) / "tokenizer.json").is_file():
-            try:
-                from .chat import load_tokenizer
-                tokenizer = load_tokenizer(cfg.model)
-            except ImportError:
-                tokenizer = None
+            from .chat import Tokenizer
+            tokenizer = Tokenizer.from_dir(cfg.model)
         return cls(cfg, store, model, provider, tokenizer)
 
     def stats(self) -> dict:
