@@ -128,6 +128,56 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    from .generate.sampling import SamplingParams
+    from .repl import chat_loop
+    from .runtime import Runtime
+
+    cfg = _runtime_config(args)
+    g = cfg.generation
+    params = SamplingParams(temperature=g.temperature if args.temperature is None else args.temperature,
+                            top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=args.seed)
+    with Runtime.open(cfg) as rt:
+        return chat_loop(rt, params, args.max_tokens or g.max_tokens, think=args.think, system=args.system)
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import run_doctor
+    model = args.model
+    if model is None and args.config:
+        model = _runtime_config(args).model
+    return run_doctor(model, probe_seconds=args.probe_seconds)
+
+
+def cmd_stats(args) -> int:
+    import urllib.error
+    import urllib.request
+    url = args.url.rstrip("/") + "/metrics"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError) as e:
+        raise ValueError(f"cannot read {url}: {e} (is `lean-qwenflash serve` running there?)") from None
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip() or line.startswith(("python_", "process_")):
+            continue
+        name, _, value = line.rpartition(" ")
+        if name.endswith(("_created", "_bucket")):
+            continue
+        rows.append((name, value))
+    width = max((len(n) for n, _ in rows), default=0)
+    for name, value in rows:
+        try:
+            v = float(value)
+            value = f"{v:,.0f}" if v.is_integer() else f"{v:,.4f}"
+        except ValueError:
+            pass
+        print(f"{name.ljust(width)}  {value}")
+    return 0
+
+
 def _add_runtime_args(p) -> None:
     p.add_argument("--config", help="runtime config YAML (see configs/); default: built-in defaults")
     p.add_argument("--model", help="pack directory (overrides the config's model; default: the built-in model)")
@@ -186,6 +236,36 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-stats", action="store_true", help="do not print statistics")
     _add_runtime_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    for name in ("chat", "run"):
+        ch = sub.add_parser(name, help="interactive chat in the terminal (default model when none is given)"
+                            if name == "chat" else "same as chat",
+                            description="Chat with a model in the terminal; answers stream as they are generated. "
+                                        "Commands: /stats shows expert tier statistics, /reset starts over, "
+                                        "/think on|off, /quit. Ctrl-C stops an answer; Ctrl-C or Ctrl-D at the "
+                                        "prompt leaves.")
+        ch.add_argument("--max-tokens", type=int, help="most tokens per answer (default: config)")
+        ch.add_argument("--temperature", type=float, help="0 = greedy (default: config)")
+        ch.add_argument("--seed", type=int)
+        ch.add_argument("--think", action="store_true", help="start with thinking on")
+        ch.add_argument("--system", help="system prompt")
+        _add_runtime_args(ch)
+        ch.set_defaults(func=cmd_chat)
+
+    doc = sub.add_parser("doctor", help="check this machine (io_uring, O_DIRECT, RAM/VRAM, CUDA, disk speed)",
+                         description="Check what this machine offers for streaming: io_uring (or why not), O_DIRECT "
+                                     "on the pack's filesystem, free RAM and VRAM, CUDA and kernel packages, a short "
+                                     "read-bandwidth probe of the pack's drive; with --model, suggested cache sizes.")
+    doc.add_argument("--model", help="pack directory to probe and size caches for")
+    doc.add_argument("--config", help="take the pack from this config")
+    doc.add_argument("--probe-seconds", type=float, default=2.0)
+    doc.set_defaults(func=cmd_doctor)
+
+    stt = sub.add_parser("stats", help="read statistics from a running server",
+                         description="Fetch /metrics from a running `lean-qwenflash serve` and print it readably.")
+    stt.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
+    stt.add_argument("--api-key", help="the server's API key, if it has one")
+    stt.set_defaults(func=cmd_stats)
     return p
 
 

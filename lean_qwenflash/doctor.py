@@ -1,0 +1,178 @@
+"""`lean-qwenflash doctor`: what this machine can do for streaming, and cache sizes for a pack."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from .config import format_size
+
+MiB = 1 << 20
+
+
+def _meminfo() -> dict:
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            k, v = line.split(":", 1)
+            out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_limit() -> Optional[int]:
+    for p in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            v = Path(p).read_text().strip()
+        except OSError:
+            continue
+        if v != "max" and int(v) < 1 << 60:
+            return int(v)
+    return None
+
+
+def _probe_engine(path: Path, kind: str, block: int, seconds: float) -> tuple[Optional[float], str]:
+    from .io_engine import AlignedBuffer, IoError, open_engine
+    try:
+        eng = open_engine(path, kind, queue_depth=8)
+    except IoError as e:
+        return None, str(e)
+    note = eng.kind + ("" if eng.direct else " (no O_DIRECT: " + eng.fallback_reason.strip() + ")")
+    if eng.kind != kind and kind != "auto":
+        note += f" ({eng.fallback_reason.strip()})"
+    nblocks = eng.file_size // block
+    if nblocks == 0:
+        eng.close()
+        return None, note
+    buf = AlignedBuffer(8 * block)
+    import random
+    rng = random.Random()
+    done, t0, inflight, k = 0, time.perf_counter(), [], 0
+    while time.perf_counter() - t0 < seconds:
+        while len(inflight) < 8:
+            inflight.append(eng.submit(buf, (k % 8) * block, rng.randrange(nblocks) * block, block, k))
+            k += 1
+        eng.wait(inflight.pop(0))
+        done += 1
+    eng.wait_all(inflight)
+    done += len(inflight)
+    gbps = done * block / (time.perf_counter() - t0) / 1e9
+    eng.close()
+    return gbps, note
+
+
+def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> int:
+    """Print the report; returns 0 when the machine can stream, 1 when something blocks it."""
+    from . import io_engine
+    problems = 0
+    out("lean-qwenflash doctor")
+    out("=====================")
+    uname = os.uname()
+    out(f"kernel:        {uname.sysname} {uname.release} ({uname.machine})")
+    try:
+        disabled = Path("/proc/sys/kernel/io_uring_disabled").read_text().strip()
+    except OSError:
+        disabled = None
+    out(f"liburing:      {'compiled in' if io_engine.uring_compiled() else 'NOT compiled in (install liburing-dev, reinstall)'}")
+
+    store = None
+    if pack:
+        from .store import ExpertStore
+        store = ExpertStore.open(pack, verify_checksums=False)
+        target = Path(pack) / "experts.bin"
+        block = store.max_record_bytes
+        store.close()
+    else:
+        target = None
+        block = 4 * MiB
+    tmp = None
+    if target is None:
+        # Probe the filesystem packs usually live on: a scratch file in the temp directory.
+        tmp = tempfile.NamedTemporaryFile(prefix="lqf-doctor-", dir=tempfile.gettempdir(), delete=False)
+        chunk = os.urandom(MiB)
+        for _ in range(64):
+            tmp.write(chunk)
+        tmp.flush()
+        os.fsync(tmp.fileno())
+        tmp.close()
+        target = Path(tmp.name)
+    try:
+        gbps_u, note_u = _probe_engine(target, "uring", block, probe_seconds / 2)
+        if gbps_u is None and "unavailable" in note_u:
+            why = note_u.split("unavailable:", 1)[-1].strip()
+            out(f"io_uring:      unavailable: {why}" + (f" (kernel.io_uring_disabled={disabled})" if disabled else ""))
+            out("               the pread engine is used instead (io_engine: auto does this by itself)")
+        else:
+            out(f"io_uring:      available" + (f" (kernel.io_uring_disabled={disabled})" if disabled not in (None, "0") else ""))
+        gbps_p, note_p = _probe_engine(target, "pread", block, probe_seconds / 2)
+        if gbps_p is None and gbps_u is None:
+            out(f"I/O:           cannot read {target}: {note_p}")
+            problems += 1
+        auto = _probe_engine(target, "auto", block, 0.01)[1]
+        out(f"O_DIRECT:      {'yes' if 'no O_DIRECT' not in auto else 'NO — ' + auto} on the filesystem of {target.parent}")
+        out(f"engine (auto): {auto.split(' ')[0]}")
+        for name, g in (("uring", gbps_u), ("pread", gbps_p)):
+            if g is not None:
+                out(f"read probe:    {name:5s} {g:.2f} GB/s ({format_size(block)} random reads, depth 8, {probe_seconds / 2:.1f} s)")
+    finally:
+        if tmp is not None:
+            os.unlink(tmp.name)
+
+    mem = _meminfo()
+    avail = mem.get("MemAvailable", 0)
+    limit = _cgroup_limit()
+    out(f"RAM:           {format_size(mem.get('MemTotal', 0))} total, {format_size(avail)} available"
+        + (f", cgroup limit {format_size(limit)}" if limit else ""))
+    if limit:
+        avail = min(avail, limit)
+
+    import torch
+    vram_free = 0
+    if torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info()
+        vram_free = free
+        out(f"CUDA:          {torch.cuda.get_device_name(0)}, {format_size(free)} free of {format_size(total)}")
+        for mod, what in (("fla", "flash-linear-attention"), ("causal_conv1d", "causal-conv1d"),
+                          ("flash_attn", "flash-attn")):
+            try:
+                __import__(mod)
+                out(f"               {what}: installed")
+            except ImportError:
+                out(f"               {what}: not installed (torch fallback; pip install {what})")
+    else:
+        out(f"CUDA:          not available (torch {torch.__version__}); CPU-only: the host cache is the compute tier")
+
+    if pack:
+        from .store import ExpertStore
+        with ExpertStore.open(pack, verify_checksums=False) as st:
+            experts = st.manifest.experts_bytes
+            resident = (Path(pack) / "resident.safetensors").stat().st_size
+            slot = st.max_record_bytes
+        top_k = int(st.config.get("num_experts_per_tok", 1))
+        out(f"pack:          {pack}: {format_size(experts)} of experts ({format_size(slot)} records), "
+            f"{format_size(resident)} resident")
+        margin = 2 * 1024**3
+        if vram_free:
+            device = max(0, min(experts, vram_free - resident - margin))
+            host = max(0, min(experts - device // 2, avail - margin))
+        else:
+            device = 0
+            host = max(0, min(experts, avail - resident - margin))
+        host = host // slot * slot
+        device = device // slot * slot
+        if host < top_k * slot:
+            out(f"               NOT ENOUGH RAM: the host cache needs at least {format_size(top_k * slot)}")
+            problems += 1
+        out("suggested config:")
+        out(f"  model: {Path(pack).resolve()}")
+        out(f"  device: {'cuda' if vram_free else 'cpu'}")
+        out(f"  host_cache_bytes: {format_size(host)}       # {host // slot} experts, "
+            f"{100 * host / experts:.0f}% of the model's")
+        out(f"  device_cache_bytes: {format_size(device)}")
+    else:
+        out("(pass --model PACK for cache-size suggestions for a model)")
+    out("status:        " + ("OK" if problems == 0 else f"{problems} problem(s) above"))
+    return 0 if problems == 0 else 1
