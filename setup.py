@@ -66,9 +66,10 @@ setup(
         "jinja2>=3.1",
         "fastapi>=0.110",
         "uvicorn>=0.29",
+        "prometheus-client>=0.17",
     ],
     extras_require={
-        "dev": ["pytest>=7", "transformers>=5.0", "openai>=1.30", "httpx>=0.27"],
+        "dev": ["pytest>=7", "transformers>=5.0", "openai>=1.30", "httpx>=0.27", "schemathesis>=3.30"],
         "cuda": ["flash-linear-attention", "causal-conv1d", "flash-attn"],
         "exl3": ["exllamav3"],
     },

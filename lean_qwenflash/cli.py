@@ -178,6 +178,11 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .server.main import run
+    return run(args)
+
+
 def _add_runtime_args(p) -> None:
     p.add_argument("--config", help="runtime config YAML (see configs/); default: built-in defaults")
     p.add_argument("--model", help="pack directory (overrides the config's model; default: the built-in model)")
@@ -266,6 +271,14 @@ def build_parser() -> argparse.ArgumentParser:
     stt.add_argument("--url", default="http://127.0.0.1:8000", help="server address")
     stt.add_argument("--api-key", help="the server's API key, if it has one")
     stt.set_defaults(func=cmd_stats)
+
+    from .server.main import add_arguments as add_serve_arguments
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                         description="OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                                     "/v1/models, /health, /metrics); loopback only unless server.api_key is set. "
+                                     "Same as `python -m lean_qwenflash.server`.")
+    add_serve_arguments(srv)
+    srv.set_defaults(func=cmd_serve)
     return p
 
 

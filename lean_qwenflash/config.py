@@ -16,6 +16,7 @@ import yaml
 
 IO_ENGINES = ("auto", "uring", "pread")
 DTYPES = ("float32", "bfloat16", "float16")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
@@ -60,6 +61,7 @@ class ServerConfig:
     max_request_bytes: int = 4 * 1024 * 1024
     prefix_cache_bytes: int = 512 * 1024 * 1024
     model_name: Optional[str] = None    # name served at /v1/models (default: the pack's directory name)
+    default_reasoning_effort: str = "none"  # when a request gives no reasoning_effort (none = thinking off)
 
 
 @dataclass
@@ -110,6 +112,11 @@ class RuntimeConfig:
             raise ConfigError(f"server.port: must be in 1..65535, got {self.server.port}")
         if self.server.max_queue < 0:
             raise ConfigError(f"server.max_queue: must be >= 0, got {self.server.max_queue}")
+        if self.server.default_reasoning_effort not in REASONING_EFFORTS:
+            raise ConfigError(f"server.default_reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)}, "
+                              f"got {self.server.default_reasoning_effort!r}")
+        if self.server.max_request_bytes < 1024:
+            raise ConfigError(f"server.max_request_bytes: must be at least 1KiB, got {self.server.max_request_bytes}")
         return self
 
     def to_dict(self) -> dict:

@@ -1,0 +1,460 @@
+"""HTTP routes: OpenAI-compatible chat/completions, models, health and Prometheus metrics.
+
+``create_app(runtime, ...)`` builds the FastAPI app around an opened ``Runtime``; the engine
+(worker thread + queue + prefix cache) starts with the app and stops at shutdown. The runtime
+stays the caller's to close.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lean_qwenflash.chat import TemplateError
+from lean_qwenflash.generate import SamplingParams
+from lean_qwenflash.server.engine import Engine, Job, QueueFull, Steering
+from lean_qwenflash.server.metrics import Metrics
+from lean_qwenflash.server.output import ChatMessage, ChatOutput, TextOutput, chunk_deltas, finish_reason
+from lean_qwenflash.server.protocol import (REASONING_BUDGETS, ApiError, ChatCompletionRequest, CompletionRequest,
+                                            NamedToolChoice, check_unsupported, error_param, stop_strings,
+                                            template_messages)
+
+log = logging.getLogger("lean_qwenflash.server")
+
+_OPEN_PATHS = {"/health"}      # answered without an API key (liveness probes)
+_RETRY_AFTER_S = 2
+
+
+class _Guard:
+    """ASGI middleware: API key, request-size limit (413) and request counting, before any route runs.
+
+    The body is read here (at most ``max_request_bytes`` + one chunk) and replayed to the app, so an
+    oversized request is refused without being parsed.
+    """
+
+    def __init__(self, app, api_key: Optional[str], max_request_bytes: int, metrics: Metrics):
+        self.app = app
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        route = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
+                                 "/metrics") else "other"
+        status_seen = {}
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status_seen["status"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key and path not in _OPEN_PATHS:
+                headers = dict(scope.get("headers") or [])
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+                if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                    err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                    return await _error_response(err)(scope, receive, counting_send)
+            headers = dict(scope.get("headers") or [])
+            declared = headers.get(b"content-length")
+            too_big = ApiError(413, f"request body larger than server.max_request_bytes={self.max_request_bytes}",
+                               code="request_too_large")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+                return await _error_response(too_big)(scope, receive, counting_send)
+            chunks, size = [], 0
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_request_bytes:
+                        return await _error_response(too_big)(scope, receive, counting_send)
+                    if not message.get("more_body"):
+                        break
+            replayed = not chunks
+
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, counting_send)
+        finally:
+            self.metrics.requests.labels(route, str(status_seen.get("status", 499))).inc()
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _usage(info: dict) -> dict:
+    return {"prompt_tokens": info["prompt_tokens"], "completion_tokens": info["completion_tokens"],
+            "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": info["cached_tokens"]},
+            "completion_tokens_details": {"reasoning_tokens": info["reasoning_tokens"]}}
+
+
+def _sse(obj) -> str:
+    return "data: " + json.dumps(obj, ensure_ascii=False) + "\n\n"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Server:
+    """What the routes share: the runtime's tokenizer, the engine, metrics and limits."""
+
+    def __init__(self, runtime, model_name: str, cfg):
+        self.runtime = runtime
+        self.cfg = cfg
+        self.tokenizer = runtime.tokenizer
+        if self.tokenizer is None:
+            raise ValueError(f"the pack {runtime.store.path} has no tokenizer.json: the server needs one")
+        self.model_name = model_name
+        hf = runtime.store.config
+        self.context_tokens = int(hf.get("max_position_embeddings")
+                                  or self.tokenizer.config.get("model_max_length") or 32768)
+        self.metrics = Metrics(runtime.provider)
+        self.engine = Engine(runtime.model, cfg.generation.prefill_chunk_tokens, cfg.server.max_queue,
+                             cfg.server.prefix_cache_bytes, self.metrics)
+        self.stop_ids = frozenset(self.tokenizer.eos_token_ids)
+        tok = self.tokenizer
+        self.think_open_id = tok.token_to_id("<think>")
+        self.think_close_id = tok.token_to_id("</think>")
+        self.created = int(time.time())
+
+    # -- request -> job -------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(404, f"model {name!r} not found; this server serves {self.model_name!r} "
+                                "(see GET /v1/models)", "model", "model_not_found")
+
+    def sampling(self, req) -> SamplingParams:
+        g = self.cfg.generation
+        top_k = req.top_k if req.top_k is not None else g.top_k
+        try:
+            return SamplingParams(
+                temperature=g.temperature if req.temperature is None else req.temperature,
+                top_p=g.top_p if req.top_p is None else req.top_p,
+                top_k=max(top_k, 0), min_p=g.min_p if req.min_p is None else req.min_p,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                seed=req.seed)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    def max_new_tokens(self, prompt_len: int, requested: Optional[int]) -> int:
+        if prompt_len >= self.context_tokens:
+            raise ApiError(400, f"the prompt is {prompt_len} tokens but the model's context is {self.context_tokens} "
+                                "tokens (max_position_embeddings); shorten the conversation", "messages",
+                           "context_length_exceeded")
+        room = self.context_tokens - prompt_len
+        # Asking for more than fits is answered with what fits (finish_reason "length").
+        return min(requested or self.cfg.generation.max_tokens, room)
+
+    def chat_job(self, req: ChatCompletionRequest) -> Job:
+        tok = self.tokenizer
+        choice = req.tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        after_think: list[int] = []
+        if choice == "none":
+            tools = []
+        elif isinstance(choice, NamedToolChoice):
+            tools = [t for t in tools if t["function"]["name"] == choice.function.name]
+            after_think = tok.encode('<tool_call>{"name": ' + json.dumps(choice.function.name) + ', "arguments": ')
+        elif choice == "required":
+            after_think = tok.encode("<tool_call>")
+        effort = req.reasoning_effort or self.cfg.server.default_reasoning_effort
+        budget = REASONING_BUDGETS[effort]
+        thinking = effort != "none"
+        try:
+            text = tok.apply_chat_template(template_messages(req), tools=tools or None, add_generation_prompt=True,
+                                           enable_thinking=thinking, tokenize=False)
+        except TemplateError as e:
+            raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
+        # Turn boundaries a later request will likely share (see engine.py, prefix reuse).
+        marks = []
+        try:
+            for gen_prompt in (False, True):
+                if gen_prompt and not thinking:
+                    marks.append(tok.apply_chat_template(template_messages(req), tools=tools or None,
+                                                         add_generation_prompt=True, enable_thinking=True))
+                elif not gen_prompt:
+                    marks.append(tok.apply_chat_template(template_messages(req), tools=tools or None,
+                                                         add_generation_prompt=False))
+        except TemplateError:
+            marks = []
+        if thinking:
+            marks.append(text)
+        in_think = False
+        if thinking:
+            # Thinking on: the answer starts inside <think> (unless the template already opened it).
+            in_think = True
+            if not text.rstrip().endswith("<think>"):
+                text += "<think>\n"
+        prompt = tok.encode(text)
+        checkpoints = []
+        for mark_text in marks:
+            ids = tok.encode(mark_text)
+            if 0 < len(ids) < len(prompt) and prompt[:len(ids)] == ids:
+                checkpoints.append(len(ids))
+        max_new = self.max_new_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
+        steering = None
+        if self.think_close_id is not None or after_think:
+            steering = Steering(self.think_open_id, self.think_close_id, tok.encode("\n</think>\n\n"),
+                                budget if thinking else None, in_think, after_think)
+        output = ChatOutput(tok, stop_strings(req), in_reasoning=in_think, parse_tools=choice != "none")
+        return Job(prompt, self.sampling(req), max_new, self.stop_ids, output, steering, checkpoints=checkpoints)
+
+    def completion_job(self, req: CompletionRequest) -> Job:
+        p = req.prompt
+        if isinstance(p, list) and not p:
+            raise ApiError(400, "prompt is empty", "prompt")
+        if isinstance(p, list) and isinstance(p[0], int):
+            bad = [t for t in p if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                               "prompt")
+            prompt = list(p)
+        else:
+            prompt = self.tokenizer.encode(p[0] if isinstance(p, list) else p)
+        if not prompt:
+            raise ApiError(400, "prompt is empty", "prompt")
+        max_new = self.max_new_tokens(len(prompt), req.max_tokens)
+        return Job(prompt, self.sampling(req), max_new, self.stop_ids, TextOutput(self.tokenizer, stop_strings(req)))
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.engine.submit(job)
+        except QueueFull as e:
+            self.metrics.rejected.inc()
+            raise ApiError(429, f"server busy: {e}; retry later", code="queue_full",
+                           headers={"Retry-After": str(_RETRY_AFTER_S)}) from None
+
+    async def next_event(self, job: Job, request: Request):
+        """The job's next event; raises ``_ClientGone`` (and cancels the job) if the client left."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.events.get(), 0.2)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise _ClientGone() from None
+
+    def finished(self, job: Job) -> None:
+        self.metrics.latency.observe(time.perf_counter() - job.submitted_s)
+
+
+def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
+    """The FastAPI app serving ``runtime`` (an opened ``Runtime``) with ``cfg`` (RuntimeConfig)."""
+    from contextlib import asynccontextmanager
+
+    name = model_name or cfg.server.model_name or "default"
+    srv = _Server(runtime, name, cfg)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        srv.engine.close()
+
+    app = FastAPI(title="lean-qwenflash", version="0.1", lifespan=lifespan,
+                  description="OpenAI-compatible API of a lean-qwenflash model (experts streamed from SSD).")
+    app.state.server = srv
+    app.add_middleware(_Guard, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes,
+                       metrics=srv.metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            return _error_response(ApiError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
+                                                 .rstrip(": "), code="invalid_json"))
+        param = error_param(tuple(first.get("loc", ())))
+        msg = f"{param}: {first.get('msg')}" if param else f"request body: {first.get('msg')}"
+        if len(errors) > 1:
+            msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+        return _error_response(ApiError(400, msg, param, "invalid_value"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _error_response(ApiError(exc.status_code, str(exc.detail), code=code,
+                                        type="invalid_request_error" if exc.status_code < 500 else "server_error"))
+
+    @app.exception_handler(Exception)
+    async def _crash(request, exc: Exception):
+        log.exception("request failed")
+        return _error_response(ApiError(500, "internal server error (see the server log)", code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": srv.model_name, "queue_depth": srv.engine.queue_depth,
+                "generating": srv.engine.running is not None}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": srv.model_name, "object": "model", "created": srv.created,
+                                            "owned_by": "lean-qwenflash", "context_length": srv.context_tokens}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        srv.check_model(req.model)
+        check_unsupported(req)
+        job = srv.chat_job(req)
+        srv.submit(job)
+        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_chat_stream(srv, job, request, rid, created, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        message = ChatMessage()
+        try:
+            while True:
+                kind, payload = await srv.next_event(job, request)
+                if kind == "delta":
+                    for d in payload:
+                        message.add(d)
+                elif kind == "error":
+                    raise ApiError(500, payload, code="generation_failed")
+                else:
+                    break
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            job.cancel()
+        srv.finished(job)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
+                "choices": [{"index": 0, "message": message.to_dict(), "logprobs": None,
+                             "finish_reason": finish_reason(_reason(payload), message)}],
+                "usage": _usage(payload)}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        srv.check_model(req.model)
+        check_unsupported(req)
+        job = srv.completion_job(req)
+        srv.submit(job)
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_completion_stream(srv, job, request, rid, created, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text = ""
+        try:
+            while True:
+                kind, payload = await srv.next_event(job, request)
+                if kind == "delta":
+                    text += "".join(d["text"] for d in payload)
+                elif kind == "error":
+                    raise ApiError(500, payload, code="generation_failed")
+                else:
+                    break
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            job.cancel()
+        srv.finished(job)
+        return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _reason(payload)}],
+                "usage": _usage(payload)}
+
+    return app
+
+
+def _reason(info: dict) -> str:
+    r = info.get("finish_reason", "stop")
+    return "stop" if r == "cancelled" else r
+
+
+async def _chat_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
+                       include_usage: bool) -> AsyncIterator[str]:
+    def chunk(delta: dict, reason=None) -> str:
+        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,
+                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+
+    message = ChatMessage()
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            kind, payload = await srv.next_event(job, request)
+            if kind == "delta":
+                for d in payload:
+                    message.add(d)
+                    for cd in chunk_deltas(d):
+                        yield chunk(cd)
+            elif kind == "error":
+                yield _sse(ApiError(500, payload, code="generation_failed").body())
+                break
+            else:
+                yield chunk({}, finish_reason(_reason(payload), message))
+                if include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                "model": srv.model_name, "choices": [], "usage": _usage(payload)})
+                srv.finished(job)
+                break
+        yield "data: [DONE]\n\n"
+    except _ClientGone:
+        return
+    finally:
+        job.cancel()
+
+
+async def _completion_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
+                             include_usage: bool) -> AsyncIterator[str]:
+    def chunk(text: str, reason=None) -> str:
+        return _sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
+                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]})
+
+    try:
+        while True:
+            kind, payload = await srv.next_event(job, request)
+            if kind == "delta":
+                text = "".join(d["text"] for d in payload)
+                if text:
+                    yield chunk(text)
+            elif kind == "error":
+                yield _sse(ApiError(500, payload, code="generation_failed").body())
+                break
+            else:
+                yield chunk("", _reason(payload))
+                if include_usage:
+                    yield _sse({"id": rid, "object": "text_completion", "created": created,
+                                "model": srv.model_name, "choices": [], "usage": _usage(payload)})
+                srv.finished(job)
+                break
+        yield "data: [DONE]\n\n"
+    except _ClientGone:
+        return
+    finally:
+        job.cancel()

@@ -1,0 +1,79 @@
+"""Command line of the server: read the config, refuse unsafe binds, open the model, run uvicorn."""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_config(config: Optional[str] = None, host: Optional[str] = None, port: Optional[int] = None,
+                 model: Optional[str] = None):
+    """The validated config with command-line overrides; raises ``ConfigError`` when a
+    non-loopback address is asked for without ``server.api_key``."""
+    from lean_qwenflash.config import ConfigError, load_config
+
+    cfg = load_config(config, model=model)
+    if host is not None:
+        cfg.server.host = host
+    if port is not None:
+        cfg.server.port = port
+    cfg.validate()
+    if not is_loopback(cfg.server.host) and not cfg.server.api_key:
+        raise ConfigError(f"server.api_key: binding {cfg.server.host} (not a loopback address) exposes the model "
+                          "to the network; set server.api_key in the config, or bind 127.0.0.1")
+    return cfg
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="runtime config YAML (see configs/); default: built-in defaults")
+    p.add_argument("--model", help="pack directory (overrides the config; default: the built-in model)")
+    p.add_argument("--host", help="address to bind (overrides server.host; default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (overrides server.port; default 8000)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from lean_qwenflash.runtime import Runtime
+    from lean_qwenflash.server.app import create_app
+
+    cfg = serve_config(args.config, args.host, args.port, args.model)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    named = cfg.model is not None
+    with Runtime.open(cfg) as rt:
+        name = cfg.server.model_name or (Path(cfg.model).name if named else "default")
+        app = create_app(rt, cfg, model_name=name)
+        print(f"lean-qwenflash: serving {name!r} ({rt.store.path}) on http://{cfg.server.host}:{cfg.server.port}/v1"
+              + (" (API key required)" if cfg.server.api_key else ""), file=sys.stderr)
+        uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m lean_qwenflash.server",
+                                description="OpenAI-compatible HTTP server for a lean-qwenflash model.")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    from lean_qwenflash.config import ConfigError
+    from lean_qwenflash.store.format import StoreError
+    try:
+        return run(args)
+    except (ConfigError, StoreError, ValueError, OSError) as e:
+        print(f"lean-qwenflash serve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,220 @@
+"""OpenAI request shapes (validated with pydantic; they also make the OpenAPI schema) and errors.
+
+Unknown request fields are ignored (clients send many vendor extensions); fields we cannot honour
+(``n`` > 1, ``logprobs``, ``response_format`` json, images) are refused with a 400 naming them.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# reasoning_effort -> thinking-token budget (None: thinking off). When the budget runs out the
+# engine forces "</think>" and the answer follows; reasoning tokens count toward max_tokens.
+REASONING_BUDGETS: dict[str, Optional[int]] = {
+    "none": None,
+    "minimal": 32,
+    "low": 256,
+    "medium": 1024,
+    "high": 4096,
+    "xhigh": 16384,
+}
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_param(loc: tuple) -> Optional[str]:
+    """pydantic error location -> "messages[0].role" (the body prefix dropped)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in str(part) or "-" in str(part) or str(part) in ("str", "int", "list", "dict", "float"):
+            continue          # union-member tags pydantic adds, e.g. "list[ContentPart]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ContentPart(_Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCallIn(_Strict):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _Sampling(_Strict):
+    model: str
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0, lt=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stop: Union[str, list[str], None] = Field(None)
+    n: Optional[int] = Field(None, ge=1)
+    logprobs: Union[bool, int, None] = None
+    user: Optional[str] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[ReasoningEffort] = None
+    response_format: Optional[ResponseFormat] = None
+    top_logprobs: Optional[int] = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int]]
+    echo: Optional[bool] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+
+def check_unsupported(req: _Sampling) -> None:
+    """Refuse what we cannot honour, naming the field."""
+    if req.n not in (None, 1):
+        raise ApiError(400, f"n={req.n} is not supported: this server generates one choice per request", "n")
+    if req.logprobs not in (None, False, 0):
+        raise ApiError(400, "logprobs are not supported by this server", "logprobs")
+    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    if len(stops) > 16:
+        raise ApiError(400, f"stop: at most 16 stop strings, got {len(stops)}", "stop")
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs:
+            raise ApiError(400, "top_logprobs is not supported by this server", "top_logprobs")
+        if req.response_format is not None and req.response_format.type != "text":
+            raise ApiError(400, f"response_format {req.response_format.type!r} is not supported (no constrained "
+                                "decoding yet); ask for JSON in the prompt instead", "response_format")
+        for i, m in enumerate(req.messages):
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if part.type != "text":
+                        raise ApiError(400, f"content part type {part.type!r} is not supported (text only)",
+                                       f"messages[{i}].content[{j}].type")
+            if m.role == "tool" and m.content is None:
+                raise ApiError(400, "a tool message needs content", f"messages[{i}].content")
+        if isinstance(req.tool_choice, NamedToolChoice) or req.tool_choice == "required":
+            if not req.tools:
+                raise ApiError(400, "tool_choice requires tools", "tool_choice")
+            if isinstance(req.tool_choice, NamedToolChoice):
+                names = [t.function.name for t in req.tools]
+                if req.tool_choice.function.name not in names:
+                    raise ApiError(400, f"tool_choice names {req.tool_choice.function.name!r}, which is not among "
+                                        f"the tools ({', '.join(names)})", "tool_choice")
+    else:
+        if req.echo:
+            raise ApiError(400, "echo is not supported by this server", "echo")
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported by this server", "suffix")
+        if req.best_of not in (None, 1):
+            raise ApiError(400, "best_of is not supported by this server", "best_of")
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) != 1:
+            raise ApiError(400, "prompt: one prompt per request (a list of several strings is not supported)",
+                           "prompt")
+
+
+def stop_strings(req: _Sampling) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages as the chat template reads them ("developer" is a system message)."""
+    out = []
+    for m in req.messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        if isinstance(m.content, list):
+            d["content"] = "".join(p.text or "" for p in m.content)
+        else:
+            d["content"] = m.content
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        if m.reasoning_content is not None:
+            d["reasoning_content"] = m.reasoning_content
+        out.append(d)
+    return out
