@@ -3,7 +3,8 @@
 
 Makes a store file (default 4 GiB) once, then for each record size and queue depth reads random
 record-aligned blocks for a fixed time with each of our engines (uring, pread) and with fio
-(io_uring, O_DIRECT, randread), in one run. Prints GB/s, IOPS and ours/fio, and writes JSON.
+(io_uring, O_DIRECT, randread), in one run; each contender runs --repeats times in rotating order
+and the median is reported. Prints GB/s, IOPS and ours/fio, and writes JSON.
 
     python bench/io.py                     # full sweep: 1/4/8 MiB x depth 1,4,16,64
     python bench/io.py --sizes 4 --depths 1 8 --seconds 2
@@ -95,7 +96,8 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=4.0, help="store size (default 4 GiB)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 8], help="record sizes in MiB")
     ap.add_argument("--depths", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
+    ap.add_argument("--seconds", type=float, default=2.0, help="time per measurement")
+    ap.add_argument("--repeats", type=int, default=3, help="measurements per contender and shape (median kept)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "io.json"))
     ap.add_argument("--keep", action="store_true", help="keep the test store afterwards")
     args = ap.parse_args()
@@ -113,9 +115,20 @@ def main() -> int:
         for depth in args.depths:
             block = size * MiB
             row = {"record_mib": size, "depth": depth}
-            for e in engines:
-                row[e] = run_ours(path, e, block, depth, args.seconds)
-            row["fio"] = run_fio(fio, path, block, depth, args.seconds) if fio else {"gbps": float("nan"), "iops": float("nan")}
+            # The disk bursts and drifts: each contender runs --repeats times in rotating order and
+            # the median counts, so no one always gets the first (burst) slot.
+            contenders = engines + ["fio"]
+            samples = {c: [] for c in contenders}
+            for rep in range(args.repeats):
+                for c in contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]:
+                    if c == "fio":
+                        samples[c].append(run_fio(fio, path, block, depth, args.seconds) if fio
+                                          else {"gbps": float("nan"), "iops": float("nan")})
+                    else:
+                        samples[c].append(run_ours(path, c, block, depth, args.seconds))
+            for c in contenders:
+                med = sorted(samples[c], key=lambda r: r["gbps"])[len(samples[c]) // 2]
+                row[c] = dict(med, samples_gbps=[r["gbps"] for r in samples[c]])
             for e in engines:
                 row[f"{e}_over_fio"] = row[e]["gbps"] / row["fio"]["gbps"] if row["fio"]["gbps"] else float("nan")
             rows.append(row)
