@@ -1,0 +1,69 @@
+"""The built-in default model: it loads, streams through the tiers, and makes real tool calls."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lean_qwenflash.chat import parse_output
+from lean_qwenflash.config import load_config
+from lean_qwenflash.generate.generator import Generator
+from lean_qwenflash.generate.sampling import SamplingParams
+from lean_qwenflash.runtime import DEFAULT_MODEL_DIR, Runtime, default_pack
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "model.safetensors").is_file(),
+                                reason="the trained default model is not in lean_qwenflash/default_model/")
+GREEDY = SamplingParams(temperature=0.0)
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "City name"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", model=str(default_pack(tmp_path_factory.mktemp("cache"))))
+    with Runtime.open(cfg) as runtime:
+        yield runtime
+
+
+def test_default_model_fits_the_package_budget():
+    size = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.iterdir() if f.is_file())
+    assert size <= 25 * 2**20
+
+
+def test_streams_through_a_cache_smaller_than_the_model(rt):
+    total = sum(l.num_experts for l in rt.store.manifest.layers)
+    assert rt.provider.num_host_slots < total, "tiny.yaml should make the default model stream"
+
+
+def test_greedy_generation_is_stable(rt):
+    prompt = rt.tokenizer.apply_chat_template([{"role": "user", "content": "Write a Python function that adds two numbers."}],
+                                              enable_thinking=False, tokenize=True)
+    a = list(Generator(rt.model).generate(prompt, GREEDY, 24, stop_token_ids=rt.tokenizer.eos_token_ids))
+    b = list(Generator(rt.model).generate(prompt, GREEDY, 24, stop_token_ids=rt.tokenizer.eos_token_ids))
+    assert a and a == b
+    assert rt.stats()["total"]["misses"] > 0
+
+
+def test_tool_prompt_yields_a_parseable_call_to_the_offered_tool(rt):
+    tok = rt.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the weather like in Lisbon today?"}],
+                                     tools=[WEATHER_TOOL], enable_thinking=False, tokenize=True)
+    out = list(Generator(rt.model).generate(prompt, GREEDY, 64, stop_token_ids=tok.eos_token_ids))
+    parsed = parse_output(tok.decode(out))
+    assert parsed.tool_calls, tok.decode(out)
+    assert parsed.tool_calls[0].name == "get_weather"
+    assert isinstance(parsed.tool_calls[0].arguments, dict)
+
+
+def test_cli_generate_on_the_default_model(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "lean_qwenflash", "generate", "--config", str(REPO / "configs" / "tiny.yaml"),
+                        "--prompt", "Write a Python function that reverses a string.", "--max-tokens", "32"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no text generated"
+    assert "hit%" in r.stderr and "tokens/s" in r.stderr and "host tier" in r.stderr
