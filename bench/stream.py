@@ -161,7 +161,7 @@ def worker(spec: dict) -> dict:
     from lean_qwenflash.generate.sampling import SamplingParams
     from lean_qwenflash.runtime import Runtime
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(spec["threads"])
     cfg = load_config(model=spec["pack"], dtype="bfloat16", host_cache_bytes=spec["host_cache_bytes"],
                       prefetch=spec["prefetch"], io_queue_depth=spec["depth"], io_engine=spec["engine"])
     rt = Runtime.open(cfg, resident_experts=spec["mode"] == "resident")
@@ -241,6 +241,7 @@ def main() -> int:
     ap.add_argument("--warmup-tokens", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=8)
     ap.add_argument("--probe-seconds", type=float, default=3.0)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads in the workers")
     ap.add_argument("--skip-cached", action="store_true", help="skip the fully cached vs resident comparison")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "stream.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -260,7 +261,7 @@ def main() -> int:
     can_limit = os.geteuid() == 0 and CGROUP.is_dir()
     base = dict(host_cache_bytes=int(args.host_cache_gib * 2**30), depth=args.depth, engine=args.engine,
                 tokens=args.tokens, warmup_tokens=args.warmup_tokens, prompt_tokens=args.prompt_tokens,
-                probe_seconds=args.probe_seconds)
+                probe_seconds=args.probe_seconds, threads=args.threads)
     print(f"experts {experts_bytes / 2**30:.1f} GiB ({experts_bytes / limit:.1f}x the {args.limit_gib} GiB limit); "
           f"host cache {args.host_cache_gib} GiB; record {fmt.align_up(3 * 2048 * 512 * 2) / 2**20:.1f} MiB; "
           f"top-8 of {config['num_experts']} experts x 16 layers", file=sys.stderr)
