@@ -1,0 +1,108 @@
+"""Per-layer inference state: a KV cache for attention layers, conv + recurrent state for DeltaNet.
+
+Layers read and write these objects by attribute (``append`` for attention; ``conv`` and
+``recurrent`` for DeltaNet) and allocate lazily, so the state needs no model dimensions.
+``clone()`` copies everything (prefix-reuse snapshots); ``num_tokens`` counts tokens consumed.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class KVCache:
+    """Keys/values [B, kv_heads, capacity, D], grown by doubling so decode rarely allocates."""
+
+    def __init__(self):
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.num_tokens = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, kv_heads, T, D]; return views of all cached keys and values [B, kv_heads, L, D]."""
+        end = self.num_tokens + k.shape[2]
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if end > capacity:
+            new_capacity = max(end, 2 * capacity, 64)
+            keys = k.new_empty(k.shape[:2] + (new_capacity, k.shape[3]))
+            values = v.new_empty(v.shape[:2] + (new_capacity, v.shape[3]))
+            if self.num_tokens:
+                keys[:, :, :self.num_tokens] = self.keys[:, :, :self.num_tokens]
+                values[:, :, :self.num_tokens] = self.values[:, :, :self.num_tokens]
+            self.keys, self.values = keys, values
+        self.keys[:, :, self.num_tokens:end] = k
+        self.values[:, :, self.num_tokens:end] = v
+        self.num_tokens = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def clone(self) -> "KVCache":
+        other = KVCache()
+        if self.keys is not None:
+            other.keys = self.keys[:, :, :self.num_tokens].clone()
+            other.values = self.values[:, :, :self.num_tokens].clone()
+        other.num_tokens = self.num_tokens
+        return other
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class DeltaNetState:
+    """conv [B, conv_channels, kernel-1] (last conv inputs) and recurrent [B, Hv, Dk, Dv] (fp32)."""
+
+    def __init__(self):
+        self.conv: Optional[torch.Tensor] = None
+        self.recurrent: Optional[torch.Tensor] = None
+        self.num_tokens = 0
+
+    def clone(self) -> "DeltaNetState":
+        other = DeltaNetState()
+        other.conv = None if self.conv is None else self.conv.clone()
+        other.recurrent = None if self.recurrent is None else self.recurrent.clone()
+        other.num_tokens = self.num_tokens
+        return other
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.conv, self.recurrent) if t is not None)
+
+
+class ModelState:
+    """Everything a model needs to continue a sequence: one state per layer plus the token count."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self._num_tokens = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        # DeltaNet states learn the count here (attention caches count their own appends).
+        self._num_tokens = value
+        for layer in self.layers:
+            if isinstance(layer, DeltaNetState):
+                layer.num_tokens = value
+
+    def clone(self) -> "ModelState":
+        other = ModelState([layer.clone() for layer in self.layers])
+        other._num_tokens = self._num_tokens
+        return other
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def new_state(model) -> ModelState:
+    """An empty state for ``model`` (uses its ``layer_types``)."""
+    layers = []
+    for kind in model.layer_types:
+        if kind == "full_attention":
+            layers.append(KVCache())
+        elif kind == "linear_attention":
+            layers.append(DeltaNetState())
+        else:
+            raise ValueError(f"unknown layer type {kind!r}")
+    return ModelState(layers)

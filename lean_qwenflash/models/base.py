@@ -1,0 +1,120 @@
+"""The decoder skeleton every family shares: embed -> [norm, mixer, +, norm, mlp, +] x N -> norm -> head.
+
+Families choose the modules and their HF attribute names; this file owns the forward pass and the
+contract with per-layer state (``lean_qwenflash.generate.state``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lean_qwenflash.models.layers import Rotary, SparseMoeBlock
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; ``mixer_name`` / ``mlp_name`` are the HF attribute names."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp_name: str, mlp: nn.Module,
+                 input_layernorm: nn.Module, post_attention_layernorm: nn.Module):
+        super().__init__()
+        setattr(self, mixer_name, mixer)
+        setattr(self, mlp_name, mlp)
+        self.input_layernorm = input_layernorm
+        self.post_attention_layernorm = post_attention_layernorm
+        # Unregistered references: avoid nn.Module.__getattr__ on the hot path, no duplicate keys.
+        object.__setattr__(self, "_mixer", mixer)
+        object.__setattr__(self, "_mlp", mlp)
+
+    def forward(self, x: torch.Tensor, rope, state) -> torch.Tensor:
+        x = x + self._mixer(self.input_layernorm(x), rope, state)
+        return x + self._mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM whose sparse blocks get routed experts from an ``ExpertProvider``.
+
+    Attributes mirror HF: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``
+    (absent when ``tie_word_embeddings``: the checkpoint has no such tensor either).
+    ``layer_types[i]`` is "full_attention" or "linear_attention" and tells the generator which
+    state each layer needs.
+    """
+
+    def __init__(self, config: dict, layers: list[DecoderLayer], layer_types: list[str], norm: nn.Module,
+                 rotary: Optional[Rotary]):
+        super().__init__()
+        self.config = config
+        vocab_size, hidden_size = int(config["vocab_size"]), int(config["hidden_size"])
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = norm
+        self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
+        self.layer_types = list(layer_types)
+        self.rotary = rotary
+        self._layers = list(layers)
+
+    def moe_blocks(self) -> list[SparseMoeBlock]:
+        return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+
+    def set_expert_provider(self, provider) -> None:
+        """Route every sparse block's expert requests to ``provider`` (resident or streaming)."""
+        for block in self.moe_blocks():
+            block.provider = provider
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
+        """Logits for ``input_ids`` [B, T] that continue ``state`` (a ``ModelState``, updated in place).
+
+        Positions start at ``state.num_tokens`` (0 without state). Without a state the call is a
+        stateless full-sequence forward. ``last_logits_only`` returns [B, 1, V] (prefill).
+        """
+        num_past = state.num_tokens if state is not None else 0
+        num_tokens = input_ids.shape[1]
+        x = self.model.embed_tokens(input_ids)
+        rope = None
+        if self.rotary is not None:
+            rope = self.rotary.tables(num_past, num_tokens, x.dtype, x.device)
+        layer_states = state.layers if state is not None else [None] * len(self._layers)
+        for layer, layer_state in zip(self._layers, layer_states):
+            x = layer(x, rope, layer_state)
+        if state is not None:
+            state.num_tokens = num_past + num_tokens
+        if last_logits_only:
+            x = x[:, -1:]
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)
+
+
+_REQUIRED = object()
+
+
+def config_value(config: dict, key: str, default=_REQUIRED):
+    """``config[key]`` (HF key names); a missing required key is an error that names it."""
+    value = config.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"config.json lacks required key {key!r} "
+                             f"(architecture {config.get('architectures')})")
+        return default
+    return value
+
+
+def rotary_from_config(config: dict, head_dim: int, default_partial: float = 1.0) -> Rotary:
+    """Default RoPE from ``rope_parameters`` (transformers >= 5) or the older top-level keys."""
+    rope = dict(config.get("rope_scaling") or {})
+    rope.update(config.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default_partial)))
+    return Rotary(head_dim, theta, partial)
+
+
+def attention_head_dim(config: dict) -> int:
+    return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))

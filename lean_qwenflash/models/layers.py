@@ -1,0 +1,404 @@
+"""Shared building blocks of every model family: norms, rotary, attention, Gated DeltaNet, MLP, MoE.
+
+Families only declare modules (with Hugging Face attribute names, so ``state_dict()`` keys equal the
+checkpoint's); the math lives here. Every layer takes an optional per-layer state object (see
+``lean_qwenflash.generate.state``) and works on any device: layers only use duck-typed state
+attributes so that this package never imports the generation package.
+
+Shapes: B batch, T new tokens, L tokens in the cache, H hidden, E experts, I expert intermediate.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lean_qwenflash.models import kernels
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16/fp16 math happens in fp32; fp64 stays fp64 for reference runs)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)``; ``zero_centred`` (Qwen3-Next) stores ``w - 1``, i.e. computes ``(1 + w)``."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+        self.eps = eps
+        self.zero_centred = zero_centred
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = F.rms_norm(_upcast(x), (x.shape[-1],), None, self.eps)
+        if self.zero_centred:
+            # Multiply in fp32 before the downcast, as the architecture defines it.
+            return (xf * (1.0 + _upcast(self.weight))).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * rmsnorm(x) * silu(gate)``: the output norm of Gated DeltaNet (plain, not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = F.rms_norm(_upcast(x), (x.shape[-1],), None, self.eps)
+        out = (self.weight * xf.to(x.dtype)) * F.silu(_upcast(gate))
+        return out.to(x.dtype)
+
+
+class Rotary:
+    """Rotary position tables (default RoPE, optionally only on the first ``partial`` of a head).
+
+    Holds no parameters; tables are computed in fp32 and grown on demand, so decode only slices.
+    ``sin`` is stored with the sign of rotate-half folded in: ``rot(x) * sin == swap(x) * sin_signed``.
+    """
+
+    def __init__(self, head_dim: int, theta: float, partial_rotary_factor: float = 1.0):
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device="cpu") / self.rotary_dim))
+        self._cos = self._sin = None
+
+    def tables(self, start: int, num_tokens: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for positions ``start .. start+num_tokens``: each [T, rotary_dim]."""
+        end = start + num_tokens
+        if self._cos is None or self._cos.shape[0] < end or self._cos.device != torch.device(device) \
+                or self._cos.dtype != dtype:
+            size = max(end, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
+            pos = torch.arange(size, dtype=torch.float32, device="cpu")
+            freqs = pos[:, None] * self.inv_freq[None, :]
+            half = freqs.shape[-1]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            sin = emb.sin()
+            sin[:, :half] = -sin[:, :half]
+            self._cos = emb.cos().to(device=device, dtype=dtype)
+            self._sin = sin.to(device=device, dtype=dtype)
+        return self._cos[start:end], self._sin[start:end]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, T, D] rotated on its first ``cos.shape[-1]`` dims (rotate-half convention)."""
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+    x_rot = x[..., :rotary_dim]
+    swapped = torch.cat((x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    rotated = x_rot * cos + swapped * sin
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal GQA attention with a KV cache, via SDPA.
+
+    Options cover the families: ``qk_norm`` "head" (Qwen3: RMSNorm per head) or "full" (OLMoE:
+    RMSNorm over all heads), ``output_gate`` (Qwen3-Next: q_proj also yields a per-head sigmoid
+    gate, interleaved per head as [q_h, gate_h]), ``clip_qkv`` (OLMoE).
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 norm_eps: float = 1e-6, bias: bool = False, qk_norm: Optional[str] = None,
+                 zero_centred_norm: bool = False, output_gate: bool = False,
+                 clip_qkv: Optional[float] = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.output_gate, self.qk_norm, self.clip_qkv = output_gate, qk_norm, clip_qkv
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(head_dim, norm_eps, zero_centred_norm)
+            self.k_norm = RMSNorm(head_dim, norm_eps, zero_centred_norm)
+        elif qk_norm == "full":
+            self.q_norm = RMSNorm(num_heads * head_dim, norm_eps, zero_centred_norm)
+            self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, zero_centred_norm)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state=None) -> torch.Tensor:
+        """x [B, T, H]; ``state`` has ``append(k, v) -> (k_all, v_all)`` ([B, kv_heads, L, D])."""
+        batch, num_tokens, _ = x.shape
+        q = self.q_proj(x)
+        gate = None
+        if self.output_gate:
+            q = q.view(batch, num_tokens, self.num_heads, 2 * self.head_dim)
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
+            gate = gate.reshape(batch, num_tokens, -1)
+        k, v = self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(batch, num_tokens, self.num_heads, self.head_dim)
+        k = k.view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if state is not None:
+            k, v = state.append(k, v)
+        num_past = k.shape[2] - num_tokens
+        mask, causal = None, num_tokens > 1
+        if num_tokens > 1 and num_past > 0:
+            # SDPA's is_causal aligns top-left; with a cache the query block sits bottom-right.
+            cols = torch.arange(k.shape[2], device=x.device)
+            rows = torch.arange(num_tokens, device=x.device) + num_past
+            mask, causal = cols[None, :] <= rows[:, None], False
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=self.head_dim ** -0.5,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = out.transpose(1, 2).reshape(batch, num_tokens, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One token: q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv]; ``state`` [B, Hv, Dk, Dv] updated in place.
+
+    S <- exp(g) S;  delta = beta (v - k^T S);  S <- S + k delta^T;  o = q^T S.
+    """
+    state.mul_(g.exp()[..., None, None])
+    k_row = k.unsqueeze(-2)                                     # [B, Hv, 1, Dk]
+    delta = (v.unsqueeze(-2) - k_row @ state) * beta[..., None, None]
+    state.add_(k.unsqueeze(-1) @ delta)
+    return (q.unsqueeze(-2) @ state).squeeze(-2)                # [B, Hv, Dv]
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many tokens: q, k [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T]; state [B, Hv, Dk, Dv].
+
+    Within a chunk the delta updates are solved at once (WY form): with Γ_t = exp(cumsum g),
+    (I + strict_lower(β_i k_i·k_j Γ_i/Γ_j)) Δ = βv - βkΓ S_0, then o = qΓ S_0 + (qk^T ∘ Γ_i/Γ_j) Δ and
+    S = Γ_C S_0 + (k Γ_C/Γ)^T Δ. Returns (o [B, Hv, T, Dv], final state).
+    """
+    num_tokens = q.shape[2]
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
+        log_decay = g[:, :, start:end].cumsum(-1)                  # [B, Hv, n]
+        n = end - start
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+        k_beta = kc * bc[..., None]
+        system = (k_beta @ kc.transpose(-1, -2)) * pair_decay      # only its strict lower part is read
+        rhs = torch.cat((vc * bc[..., None], k_beta * log_decay.exp()[..., None]), dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        new_values, decayed_keys = solved[..., :vc.shape[-1]], solved[..., vc.shape[-1]:]
+        delta = new_values - decayed_keys @ state
+        attn = (qc @ kc.transpose(-1, -2)) * pair_decay
+        out[:, :, start:end] = (qc * log_decay.exp()[..., None]) @ state + attn @ delta
+        last = log_decay[..., -1:]
+        state = state * last.exp()[..., None] + (kc * (last - log_decay).exp()[..., None]).transpose(-1, -2) @ delta
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention (Qwen3-Next): causal depthwise conv, then the gated delta rule.
+
+    ``in_proj_qkvz`` rows are grouped per key head as [q, k, v (Hv/Hk heads), z (Hv/Hk heads)],
+    ``in_proj_ba`` per key head as [b, a]; the conv runs on channels [q all, k all, v all].
+    State: ``conv`` [B, C, K-1] (last conv inputs) and ``recurrent`` [B, Hv, Dk, Dv] (fp32).
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel_size: int, norm_eps: float):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim,
+                                bias=False, padding=conv_kernel_size - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def _conv(self, mixed: torch.Tensor, state) -> torch.Tensor:
+        """mixed [B, T, C] -> silu(causal depthwise conv) [B, T, C]; keeps the last K-1 inputs."""
+        batch, num_tokens, channels = mixed.shape
+        past = state.conv if state is not None and state.conv is not None else \
+            mixed.new_zeros(batch, channels, self.conv_kernel_size - 1)
+        window = torch.cat((past, mixed.transpose(1, 2)), dim=-1)   # [B, C, K-1+T]
+        if state is not None:
+            state.conv = window[..., num_tokens:].clone() if num_tokens > 1 else window[..., 1:]
+        out = kernels.depthwise_conv(window, self.conv1d.weight)
+        return F.silu(out).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, rope=None, state=None) -> torch.Tensor:
+        batch, num_tokens, _ = x.shape
+        ratio = self.num_v_heads // self.num_k_heads
+        dk, dv, nk, nv = self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads
+        qkvz = self.in_proj_qkvz(x).view(batch, num_tokens, nk, 2 * dk + 2 * ratio * dv)
+        q, k, v, z = qkvz.split((dk, dk, ratio * dv, ratio * dv), dim=-1)
+        ba = self.in_proj_ba(x).view(batch, num_tokens, nk, 2 * ratio)
+        b, a = ba[..., :ratio].reshape(batch, num_tokens, nv), ba[..., ratio:].reshape(batch, num_tokens, nv)
+        mixed = torch.cat((q.reshape(batch, num_tokens, -1), k.reshape(batch, num_tokens, -1),
+                           v.reshape(batch, num_tokens, -1)), dim=-1)
+        mixed = self._conv(mixed, state)
+        compute_dtype = torch.promote_types(x.dtype, torch.float32)   # fp32 at least, fp64 in tests
+        q, k, v = mixed.to(compute_dtype).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = _l2norm(q.reshape(batch, num_tokens, nk, dk)) * dk ** -0.5
+        k = _l2norm(k.reshape(batch, num_tokens, nk, dk))
+        v = v.reshape(batch, num_tokens, nv, dv)
+        if ratio > 1:
+            q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+        beta = b.to(compute_dtype).sigmoid()
+        g = -self.A_log.to(compute_dtype).exp() * F.softplus(a.to(compute_dtype) + self.dt_bias.to(compute_dtype))
+        recurrent = state.recurrent if state is not None else None
+        if recurrent is None:
+            recurrent = torch.zeros(batch, nv, dk, dv, dtype=compute_dtype, device=x.device)
+        if num_tokens == 1 and state is not None:
+            core = recurrent_gated_delta_rule(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+            core = core.unsqueeze(1)                                # [B, 1, Hv, Dv]
+        else:
+            core, recurrent = kernels.chunked_delta_rule(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
+                beta.transpose(1, 2), recurrent, chunked_gated_delta_rule)
+            core = core.transpose(1, 2)
+        if state is not None:
+            state.recurrent = recurrent
+        core = self.norm(core.to(x.dtype), z.reshape(batch, num_tokens, nv, dv))
+        return self.out_proj(core.reshape(batch, num_tokens, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (dense layers and shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+_DECODE_POOL: Optional[ThreadPoolExecutor] = None
+
+
+def _expert_output(x: torch.Tensor, w) -> torch.Tensor:
+    """down(silu(gate) * up) for x [N, H] -> [N, H]."""
+    h = F.linear(x, w.gate_up)
+    inter = h.shape[-1] // 2
+    return F.linear(F.silu(h[:, :inter]).mul_(h[:, inter:]), w.down)
+
+
+def _expert_outputs_decode(x: torch.Tensor, experts: list) -> list:
+    """Each expert's output for one token. On a multi-core CPU the experts are split over two
+    Python threads: BLAS runs these small GEMVs single-threaded, and torch releases the GIL, so two
+    halves use two cores. The sum stays in the caller, in a fixed order, so results do not depend
+    on thread timing."""
+    global _DECODE_POOL
+    if x.device.type != "cpu" or len(experts) < 2 or torch.get_num_threads() < 2:
+        return [_expert_output(x, w) for w in experts]
+    if _DECODE_POOL is None:
+        _DECODE_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lqf-experts")
+    half = len(experts) // 2
+
+    def second_half():
+        with torch.inference_mode():    # grad mode is thread-local: match the caller's
+            return [_expert_output(x, w) for w in experts[half:]]
+
+    future = _DECODE_POOL.submit(second_half)
+    first = [_expert_output(x, w) for w in experts[:half]]
+    return first + future.result()
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, provider, layer_idx: int) -> torch.Tensor:
+    """Sum over each token's selected experts of ``weight * down(silu(gate) * up)``.
+
+    x [N, H], weights and indices [N, k]. The provider is asked once for the unique selected ids
+    (sorted); the result depends only on the tensors it returns, so any provider serving the same
+    values gives the same bits. Prefill groups tokens by expert: one gather + two matmuls each.
+    """
+    num_tokens, top_k = indices.shape
+    if num_tokens == 1:
+        pairs = sorted(zip(indices[0].tolist(), weights[0].tolist()))
+        expert_ids = [e for e, _ in pairs]
+        experts = provider.acquire(layer_idx, expert_ids)
+        try:
+            outputs = _expert_outputs_decode(x, experts)
+        finally:
+            provider.release(layer_idx, expert_ids)
+        out = outputs[0].mul_(pairs[0][1])
+        for y, (_, weight) in zip(outputs[1:], pairs[1:]):
+            out.add_(y, alpha=weight)
+        return out
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat)
+    expert_ids = counts.nonzero().flatten().tolist()
+    counts = counts[expert_ids].tolist()
+    token_of = order // top_k
+    weight_of = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    pos = 0
+    # A streaming provider may hold fewer experts at once than a long prefill selects; the
+    # experts are then taken in groups, in the same order, so the sum is unchanged.
+    group = getattr(provider, "max_experts_per_acquire", None) or len(expert_ids)
+    for start in range(0, len(expert_ids), group):
+        ids = expert_ids[start:start + group]
+        experts = provider.acquire(layer_idx, ids)
+        try:
+            for w, count in zip(experts, counts[start:start + group]):
+                rows = token_of[pos:pos + count]
+                h = F.linear(x.index_select(0, rows), w.gate_up)
+                inter = h.shape[-1] // 2
+                act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+                y = F.linear(act, w.down).mul_(weight_of[pos:pos + count, None])
+                out.index_add_(0, rows, y)
+                pos += count
+        finally:
+            provider.release(layer_idx, ids)
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Softmax top-k router over routed experts served by a provider, plus an optional
+    sigmoid-gated shared expert (Qwen3-Next). ``gate`` is the router (HF name)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 layer_idx: int, shared_intermediate_size: int = 0):
+        super().__init__()
+        self.layer_idx, self.top_k, self.norm_topk_prob = layer_idx, top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        if shared_intermediate_size:
+            self.shared_expert = MLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+        self.provider = None    # set by the model; not a submodule, owns no weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        self.provider.layer_input(self.layer_idx, flat)
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(shape)

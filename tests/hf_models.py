@@ -1,0 +1,252 @@
+"""Tiny random Hugging Face checkpoints for tests (shared with the streaming tests).
+
+``make_checkpoint(family, variant, path)`` builds a transformers model from a small config, perturbs
+every parameter (norms, A_log, dt_bias included, so a missing ``+1`` or a skipped term cannot pass),
+and saves it with ``save_pretrained`` (per-expert keys) or, with ``stacked=True``, writes
+``model.state_dict()`` with safetensors ``save_file`` (stacked [E, ...] expert tensors).
+
+Router near-ties would let fp32 rounding flip an expert choice, so a seed is accepted only when,
+on the test sequence, every router's k-th and (k+1)-th probabilities differ by at least
+``ROUTER_MARGIN`` (checked with hooks on the transformers model).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+ROUTER_MARGIN = 1e-5
+
+FAMILIES = ("qwen3_next", "qwen3_moe", "mixtral", "olmoe")
+
+# family -> variant -> config overrides (on top of BASE[family])
+BASE = {
+    "qwen3_next": dict(
+        architectures=["Qwen3NextForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=12, linear_num_key_heads=2,
+        linear_num_value_heads=4, moe_intermediate_size=20, shared_expert_intermediate_size=24, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
+        moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+    "olmoe": dict(
+        architectures=["OlmoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=False, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
+VARIANTS = {
+    "qwen3_next": {
+        # GQA 2, Hv/Hk = 2, renormalised top-k, layer types from full_attention_interval.
+        "base": {},
+        # odd hidden, Hv == Hk, top-3 without renormalisation, a dense layer, explicit layer_types.
+        "dense_layer": dict(hidden_size=72, num_attention_heads=3, num_key_value_heads=1, head_dim=24,
+                            linear_num_key_heads=3, linear_num_value_heads=3, num_experts_per_tok=3,
+                            norm_topk_prob=False, mlp_only_layers=[1],
+                            layer_types=["linear_attention", "full_attention", "linear_attention",
+                                         "full_attention"]),
+    },
+    "qwen3_moe": {
+        "base": {},
+        # hidden 72, GQA 3, no renormalisation, layer 0 dense via mlp_only_layers, q/k norms.
+        "dense_layer": dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=2, head_dim=12,
+                            norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=True),
+        # every second layer sparse.
+        "sparse_step": dict(decoder_sparse_step=2, num_experts_per_tok=3),
+    },
+    "mixtral": {
+        "base": {},
+        "gqa4": dict(hidden_size=72, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
+                     num_local_experts=6, num_experts_per_tok=3),
+    },
+    "olmoe": {
+        "base": {},
+        "norm_topk": dict(norm_topk_prob=True, num_experts_per_tok=3, clip_qkv=4.0),
+    },
+}
+
+
+def hf_config(family: str, variant: str = "base"):
+    """A transformers config object for ``family`` / ``variant``."""
+    import transformers
+
+    values = dict(BASE[family])
+    values.update(VARIANTS[family][variant])
+    values.pop("architectures")
+    cls = {"qwen3_next": transformers.Qwen3NextConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "mixtral": transformers.MixtralConfig, "olmoe": transformers.OlmoeConfig}[family]
+    config = cls(**values, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config.architectures = list(BASE[family]["architectures"])
+    config._attn_implementation = "eager"
+    return config
+
+
+def hf_model_class(family: str):
+    import transformers
+
+    return {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+            "mixtral": transformers.MixtralForCausalLM, "olmoe": transformers.OlmoeForCausalLM}[family]
+
+
+def perturb_(model, seed: int) -> None:
+    """Give every parameter non-trivial random values with activations of order one."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if name.endswith("norm.weight") or "layernorm" in name:
+                # Zero-centred norms (Qwen3-Next) store w-1: small values; others scale around 1.
+                centre = 0.0 if (model.config.model_type == "qwen3_next" and "linear_attn.norm" not in name) else 1.0
+                p.copy_(centre + 0.2 * torch.randn(p.shape, generator=gen))
+            elif leaf == "A_log":
+                p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
+            elif leaf == "dt_bias":
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif "conv1d" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name:
+                # Tied embeddings double as the head: keep its logits of order one.
+                scale = p.shape[-1] ** -0.5 if model.config.tie_word_embeddings else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+                p.copy_(3.0 * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+
+
+def router_margin(model, input_ids: torch.Tensor) -> float:
+    """Smallest gap between k-th and (k+1)-th router probability over all tokens and MoE layers."""
+    margins = []
+    top_k = model.config.num_experts_per_tok
+
+    def hook(module, args, output):
+        logits = output[0] if isinstance(output, tuple) else output
+        probs = torch.softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
+        top = torch.topk(probs, min(top_k + 1, probs.shape[-1]), dim=-1).values
+        if top.shape[-1] > top_k:
+            margins.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith("mlp.gate") or n.endswith("block_sparse_moe.gate")]
+    with torch.no_grad():
+        model(input_ids)
+    for h in handles:
+        h.remove()
+    return min(margins) if margins else math.inf
+
+
+def logit_margin(logits: torch.Tensor) -> float:
+    """Smallest gap between the best and second-best logit over positions (greedy-flip guard)."""
+    top = torch.topk(logits.float(), 2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
+
+
+def prompt_ids(vocab_size: int, num_tokens: int = 40, seed: int = 1234) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, num_tokens), generator=gen)
+
+
+def make_hf_model(family: str, variant: str = "base", seed: int = 0, check_tokens: int = 72):
+    """(transformers model, seed used): the first seed from ``seed`` whose routing has margins.
+
+    Margins are checked on the test prompt followed by HF's own greedy continuation, so the
+    logits, chunk/decode and greedy comparisons all run on inputs without router near-ties.
+    """
+    config = hf_config(family, variant)
+    cls = hf_model_class(family)
+    for attempt in range(seed, seed + 50):
+        torch.manual_seed(attempt)
+        model = cls(config).eval()
+        perturb_(model, attempt)
+        prompt = prompt_ids(config.vocab_size)
+        with torch.no_grad():
+            seq = model.generate(prompt, max_new_tokens=check_tokens - prompt.shape[1], do_sample=False,
+                                 min_new_tokens=check_tokens - prompt.shape[1])
+            logits = model(seq).logits
+        if router_margin(model, seq) >= ROUTER_MARGIN and logit_margin(logits[:, prompt.shape[1] - 1:]) >= 1e-4:
+            return model, attempt
+    raise RuntimeError(f"no seed with router margins for {family}/{variant}")
+
+
+def save_checkpoint(model, path: str, stacked: bool = False) -> str:
+    """Save ``model`` to ``path``: ``save_pretrained`` layout, or the stacked in-memory layout."""
+    os.makedirs(path, exist_ok=True)
+    if not stacked:
+        model.save_pretrained(path)
+        return path
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(path)
+    return path
+
+
+def make_checkpoint(family: str, variant: str, path: str, stacked: bool = False, seed: int = 0):
+    """Make a tiny random HF checkpoint dir; returns (path, transformers model)."""
+    model, _ = make_hf_model(family, variant, seed)
+    return save_checkpoint(model, path, stacked), model
+
+
+def read_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
+
+
+class Case:
+    """A tiny checkpoint saved in both layouts plus transformers' reference outputs on it."""
+
+    def __init__(self, family: str, variant: str):
+        import tempfile
+
+        self.family, self.variant = family, variant
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"lqf-{family}-{variant}-")
+        self.hf_model, self.seed = make_hf_model(family, variant)
+        self.path = save_checkpoint(self.hf_model, os.path.join(self._tmp.name, "per_expert"))
+        self.stacked_path = save_checkpoint(self.hf_model, os.path.join(self._tmp.name, "stacked"), stacked=True)
+        self.config = read_config(self.path)
+        self.prompt = prompt_ids(self.hf_model.config.vocab_size)
+        with torch.no_grad():
+            self.hf_logits = self.hf_model(self.prompt).logits
+        self._greedy = None
+
+    def hf_greedy(self, num_tokens: int = 32) -> list[int]:
+        if self._greedy is None:
+            with torch.no_grad():
+                out = self.hf_model.generate(self.prompt, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
+                                             do_sample=False)
+            self._greedy = out[0, self.prompt.shape[1]:].tolist()
+        return self._greedy
+
+
+_CASES: dict = {}
+
+
+def case(family: str, variant: str = "base") -> Case:
+    """The session-wide cached Case for family/variant (made on first use)."""
+    key = (family, variant)
+    if key not in _CASES:
+        _CASES[key] = Case(family, variant)
+    return _CASES[key]
+
+
+ALL_CASES = [(f, v) for f in FAMILIES for v in VARIANTS[f]]
