@@ -6,16 +6,14 @@ names; routed experts go to an ``ExpertProvider``. Names and layouts come from
 """
 from __future__ import annotations
 
-import glob
 import importlib
-import json
-import os
 from typing import Mapping, Union
 
 import torch
 
-from lean_qwenflash.experts.provider import ExpertProvider, ExpertWeights, ResidentExperts, aligned_record
+from lean_qwenflash.experts.provider import ExpertProvider, ResidentExperts, aligned_record
 from lean_qwenflash.store import naming
+from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
 # HF architecture string -> module under lean_qwenflash.models with a ``build(config)`` function.
 REGISTRY = {
@@ -24,10 +22,6 @@ REGISTRY = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model: missing/unexpected tensors or wrong shapes."""
 
 
 def supported_architectures() -> list[str]:
@@ -41,9 +35,6 @@ def family_module(config: dict):
             return importlib.import_module(f"lean_qwenflash.models.{REGISTRY[arch]}")
     raise naming.UnsupportedArchitecture(
         f"unsupported architecture {config.get('architectures')!r}; supported: {', '.join(supported_architectures())}")
-
-
-_family_module = family_module   # older private name, used by bench/stream.py
 
 
 def _names_list(names, limit: int = 20) -> str:
@@ -62,9 +53,8 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     """
     family = family_module(config)
     names = naming.arch_names(config)
-    ignored = getattr(family, "IGNORED_KEY_PREFIXES", ())
     tensors = {naming.canonical_resident_key(names, k): v for k, v in resident_tensors.items()
-               if not k.startswith(ignored)}
+               if not k.startswith(names.ignored_prefixes)}
     with torch.device("meta"):
         model = family.build(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -87,81 +77,20 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     return model.eval().requires_grad_(False)
 
 
-def read_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: expected a Hugging Face checkpoint directory")
-    with open(path) as f:
-        return json.load(f)
-
-
 def load_hf_checkpoint(hf_dir: str, dtype: torch.dtype = torch.float32,
                        device: Union[str, torch.device] = "cpu"):
     """(model, ResidentExperts) from an HF directory (config.json + *.safetensors shards).
 
-    Tensors are read one at a time; routed experts may be saved per expert or stacked [E, ...].
+    Read through the same ``HFCheckpoint`` the packer uses: tensors one at a time, routed experts
+    saved per expert or stacked [E, ...], problems reported by tensor name.
     """
-    from safetensors import safe_open
-
-    config = read_config(hf_dir)
-    family = family_module(config)  # unsupported architectures fail before any tensor is read
-    ignored = getattr(family, "IGNORED_KEY_PREFIXES", ())
-    names = naming.arch_names(config)
-    shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if not shards:
-        raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
-    resident: dict[str, torch.Tensor] = {}
-    parts: dict[tuple[int, int], dict[str, torch.Tensor]] = {}   # (layer, expert) -> role -> tensor
-    for shard in shards:
-        with safe_open(shard, framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(ignored):
-                    continue
-                expert = naming.parse_expert_key(names, key)
-                tensor = f.get_tensor(key)
-                if expert is None:
-                    resident[naming.canonical_resident_key(names, key)] = tensor
-                elif expert.expert_id is None:
-                    for expert_id in range(tensor.shape[0]):
-                        parts.setdefault((expert.layer_idx, expert_id), {})[expert.part] = (f"{key}[{expert_id}]",
-                                                                                            tensor[expert_id])
-                else:
-                    parts.setdefault((expert.layer_idx, expert.expert_id), {})[expert.part] = (key, tensor)
-    provider = ResidentExperts(_assemble_experts(config, names, parts, dtype, device))
-    return build_model(config, resident, provider, dtype, device), provider
-
-
-def _assemble_experts(config, names, parts, dtype, device) -> dict[int, list[ExpertWeights]]:
-    """Per-layer expert lists in (gate_up [2I, H], down [H, I]) form; every expert accounted for."""
-    moe_layers = naming.moe_layer_indices(config)
-    num_experts, _, hidden, inter = naming.expert_dims(config) if moe_layers else (0, 0, 0, 0)
-    unexpected = [f"model.layers.{layer}.{names.moe_module}.experts.{e}" for layer, e in parts
-                  if layer not in moe_layers or e >= num_experts]
-    if unexpected:
-        raise CheckpointError(f"unexpected routed-expert tensors: {_names_list(unexpected)}")
-    layers, missing = {}, []
-    for layer in moe_layers:
-        experts = []
-        for e in range(num_experts):
-            got = parts.pop((layer, e), {})   # pop: originals are freed as records are made
-            roles = ("gate_up", "down") if "gate_up" in got else ("gate", "up", "down")
-            absent = [r for r in roles if r not in got]
-            if absent:
-                for role in absent:
-                    missing += [naming.expert_key(names, layer, e, r)
-                                for r in (("gate", "up") if role == "gate_up" else (role,))]
-                continue
-            shapes = {"gate_up": (2 * inter, hidden), "gate": (inter, hidden), "up": (inter, hidden),
-                      "down": (hidden, inter)}
-            for role in roles:
-                key, tensor = got[role]
-                if tuple(tensor.shape) != shapes[role]:
-                    raise CheckpointError(f"tensor {key!r} has shape {tuple(tensor.shape)}, "
-                                          f"the model expects {shapes[role]}")
-            gate_up = got["gate_up"][1] if "gate_up" in got else torch.cat((got["gate"][1], got["up"][1]), dim=0)
-            experts.append(aligned_record(gate_up.to(device=device, dtype=dtype),
-                                          got["down"][1].to(device=device, dtype=dtype)))
-        layers[layer] = experts
-    if missing:
-        raise CheckpointError(f"missing routed-expert tensors: {_names_list(missing)}")
-    return layers
+    ckpt = HFCheckpoint(hf_dir)
+    family_module(ckpt.config)    # unsupported architectures fail before any tensor is read
+    ckpt.check_experts()
+    resident = {canon: ckpt.get(key) for canon, key in ckpt.resident_keys.items()}
+    num_experts = naming.num_experts(ckpt.config) if ckpt.moe_layers() else 0
+    layers = {layer: [aligned_record(*(t.to(device=device, dtype=dtype) for t in ckpt.expert(layer, e)))
+                      for e in range(num_experts)]
+              for layer in ckpt.moe_layers()}
+    provider = ResidentExperts(layers)
+    return build_model(ckpt.config, resident, provider, dtype, device), provider

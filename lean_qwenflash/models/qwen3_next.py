@@ -7,9 +7,6 @@ from lean_qwenflash.models.base import (CausalLM, DecoderLayer, attention_head_d
 from lean_qwenflash.models.layers import MLP, Attention, GatedDeltaNet, RMSNorm, SparseMoeBlock
 from lean_qwenflash.store.naming import moe_layer_indices
 
-# Released checkpoints carry multi-token-prediction weights that plain decoding never uses.
-IGNORED_KEY_PREFIXES = ("mtp.",)
-
 
 def layer_types(config: dict) -> list[str]:
     """``layer_types`` when the config has it, else full attention every ``full_attention_interval``."""

@@ -65,7 +65,10 @@ class HFCheckpoint:
                 self.key_shard[k] = shard
         self.experts = ExpertIndex()
         self.resident_keys: dict[str, str] = {}          # canonical name -> key in the files
-        for k in self.key_shard:
+        for k in list(self.key_shard):
+            if k.startswith(self.names.ignored_prefixes):
+                del self.key_shard[k]
+                continue
             ek = naming.parse_expert_key(self.names, k)
             if ek is None:
                 canon = naming.canonical_resident_key(self.names, k)
@@ -119,7 +122,7 @@ class HFCheckpoint:
             if all(stacked.values()):
                 for p, k in stacked.items():
                     if self.shape(k) != want_stacked[p]:
-                        wrong.append(f"{k}: shape {list(self.shape(k))}, expected {list(want_stacked[p])}")
+                        wrong.append(f"tensor {k!r} has shape {self.shape(k)}, the model expects {want_stacked[p]}")
                 continue
             for e in range(num_experts):
                 for role, shape in want.items():
@@ -127,16 +130,17 @@ class HFCheckpoint:
                     if k is None:
                         missing.append(naming.expert_key(self.names, layer, e, role))
                     elif self.shape(k) != shape:
-                        wrong.append(f"{k}: shape {list(self.shape(k))}, expected {list(shape)}")
+                        wrong.append(f"tensor {k!r} has shape {self.shape(k)}, the model expects {shape}")
         extra = sorted({k for (l, _, _), k in self.experts.per_expert.items() if l not in layers} |
                        {k for (l, _), k in self.experts.stacked.items() if l not in layers})
         problems = []
         if missing:
-            problems.append(f"{len(missing)} expert tensors missing, e.g. {', '.join(missing[:5])}")
+            problems.append(f"missing routed-expert tensors ({len(missing)}): {', '.join(missing[:5])}"
+                            + (" ..." if len(missing) > 5 else ""))
         if wrong:
             problems.append("wrong shapes: " + "; ".join(wrong[:5]))
         if extra:
-            problems.append(f"expert tensors for layers the config says are dense: {', '.join(extra[:5])}")
+            problems.append(f"unexpected routed-expert tensors (layers the config says are dense): {', '.join(extra[:5])}")
         if problems:
             raise CheckpointError(f"{self.path}: " + " | ".join(problems))
 

@@ -35,6 +35,8 @@ class ArchNames:
     proj_names: tuple           # per-expert names of (gate, up, down)
     moe_aliases: tuple = ()     # other sparse-block names that may appear (stacked layout)
     num_experts_key: str = "num_experts"
+    # Checkpoint tensors the runtime does not use (e.g. Qwen3-Next's multi-token-prediction head).
+    ignored_prefixes: tuple = ()
     top_k_key: str = "num_experts_per_tok"
     intermediate_key: str = "moe_intermediate_size"
 
@@ -42,7 +44,8 @@ class ArchNames:
 ARCHITECTURES = {
     a.architecture: a
     for a in (
-        ArchNames("Qwen3NextForCausalLM", "qwen3_next", "mlp", ("gate_proj", "up_proj", "down_proj")),
+        ArchNames("Qwen3NextForCausalLM", "qwen3_next", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                  ignored_prefixes=("mtp.",)),
         ArchNames("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
         ArchNames("MixtralForCausalLM", "mixtral", "block_sparse_moe", ("w1", "w3", "w2"),
                   moe_aliases=("mlp",), num_experts_key="num_local_experts",
