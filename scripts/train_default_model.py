@@ -7,16 +7,27 @@ chat template: plain Q&A, thinking traces and tool-call rounds (system with tool
 request → assistant <tool_call>{json}</tool_call> → tool response → assistant answer).
 
 Steps: build corpus → train a byte-level BPE tokenizer → train Qwen3NextForCausalLM (Gated DeltaNet
-layers + one full-attention layer, many small experts, shared expert) on one CPU thread until
+layers interleaved with full-attention layers, many small experts, shared expert) on one CPU thread until
 --max-steps or --max-minutes → evaluate (held-out loss vs a unigram baseline, greedy tool-call
 accuracy on held-out dialogues) → save model, tokenizer, generation_config.json, TRAINING.md/json.
 
 The learning-rate schedule follows the larger of step and wall-time progress, so a run stopped by
 --max-minutes still ends with a decayed rate; the step count reached is recorded in TRAINING.json.
 
+Dialogue rows start at a dialogue's first token and, by default (--loss-on assistant), carry loss
+only on assistant turns: the tool-definition system prompts are most of a dialogue's tokens and
+would otherwise dominate the loss. Tool results come in several JSON/text shapes and tool
+definitions in several client styles, so that after a <tool_response> the model answers in text
+whatever the shape. --init-from DIR continues training an existing model (and keeps its tokenizer
+files byte for byte); with --max-minutes 0 it only evaluates DIR.
+
 Example:
     python scripts/train_default_model.py --max-minutes 2 --out /tmp/smoke      # pipeline check
-    python scripts/train_default_model.py --max-minutes 40                       # the shipped model
+    python scripts/train_default_model.py --max-minutes 24                       # from scratch
+    python scripts/train_default_model.py --init-from lean_qwenflash/default_model \
+        --max-minutes 22 --lr 1e-3 --warmup-steps 50 --threads 2 --out /tmp/ft   # the shipped fine-tune
+    python scripts/train_default_model.py --init-from lean_qwenflash/default_model \
+        --max-minutes 0 --out /tmp/eval                                          # evaluate only
 """
 
 from __future__ import annotations
@@ -170,10 +181,13 @@ FUNCS = [("returns the square of a number", "def square(x):\n    return x * x"),
 
 
 class DialogueMaker:
-    """Generates message lists. held=True draws only held-out values and phrasings."""
+    """Generates message lists. held=True draws only held-out values (and, unless
+    held_phrasing=False, held-out request phrasings)."""
 
-    def __init__(self, rng: random.Random, modules: list[str], symbols: list[str], held: bool):
+    def __init__(self, rng: random.Random, modules: list[str], symbols: list[str], held: bool,
+                 held_phrasing: bool | None = None):
         self.rng, self.held = rng, held
+        self.held_phrasing = held if held_phrasing is None else held_phrasing
         def split(values, n_held):
             return values[-n_held:] if held else values[:-n_held]
         self.cities = split(CITIES, N_HELD_CITIES)
@@ -183,17 +197,33 @@ class DialogueMaker:
 
     def phrase(self, key: str) -> str:
         options = PHRASES[key]
-        return options[-1] if self.held else self.rng.choice(options[:-1])
+        return options[-1] if self.held_phrasing else self.rng.choice(options[:-1])
+
+    def city(self) -> str:
+        # Half the training cities are made-up names: a tiny model otherwise memorises the city
+        # list and answers with a favourite one instead of copying the name from the request.
+        if self.held or self.rng.random() < 0.5:
+            return self.rng.choice(self.cities)
+        syllables = ["ka", "ro", "mi", "lan", "ter", "vo", "sa", "bel", "dor", "ni", "qua", "zen", "ul", "pe"]
+        return "".join(self.rng.choice(syllables) for _ in range(self.rng.randint(2, 4))).capitalize()
 
     def dir_path(self) -> str:
         parts = self.rng.sample(self.dirs, self.rng.choice([1, 1, 2]))
         return "/".join(parts)
 
+    def style(self, n_styles: int) -> int:
+        """Index of a tool-result format: the last one of each tool is held out from training."""
+        return n_styles - 1 if self.held else self.rng.randrange(n_styles - 1)
+
     def tool_round(self, name: str) -> tuple[str, dict, str, str, str]:
-        """(user request, arguments, tool result, final answer, purpose) for one tool."""
+        """(user request, arguments, tool result, final answer, purpose) for one tool.
+
+        Tool results come in several JSON/text shapes (agents format them however they like), so
+        the model learns to answer from whatever arrives in <tool_response> instead of keying on one
+        layout; the last shape per tool is kept for the held-out evaluation."""
         r = self.rng
         if name == "get_weather":
-            city = r.choice(self.cities)
+            city = self.city()
             temp, cond = r.randint(-10, 35), r.choice(CONDITIONS)
             if r.random() < 0.35:
                 unit = r.choice(["celsius", "fahrenheit"])
@@ -203,13 +233,24 @@ class DialogueMaker:
             else:
                 args = {"city": city}
                 user = self.phrase("get_weather").format(city=city)
-            result = json.dumps({"city": city, "temperature": temp, "condition": cond})
-            answer = f"It is {cond} in {city} with a temperature of {temp} degrees."
+            hum = r.randint(10, 99)
+            shapes = [{"city": city, "temperature": temp, "condition": cond},
+                      {"temp_c": temp, "sky": cond},
+                      {"location": city, "weather": {"temp": temp, "description": cond}},
+                      {"temperature": temp, "conditions": cond, "humidity": hum},
+                      f"{cond}, {temp} degrees",
+                      {"status": "ok", "data": {"t": temp, "summary": cond, "humidity_pct": hum}}]
+            shape = shapes[self.style(len(shapes))]
+            result = shape if isinstance(shape, str) else json.dumps(shape)
+            answer = r.choice([f"It is {cond} in {city} with a temperature of {temp} degrees.",
+                               f"In {city} it is currently {cond} and {temp} degrees."])
             return user, args, result, answer, f"the weather in {city}"
         if name == "read_file":
             path = f"{self.dir_path()}/{r.choice(self.modules)}.py"
-            n = r.randint(3, 400)
-            result = f'"""Module {path}."""\nimport os\n\n\ndef main():\n    return os.getcwd()\n'
+            body = f'"""Module {path}."""\nimport os\n\n\ndef main():\n    return os.getcwd()\n'
+            shapes = [body, json.dumps({"content": body}), json.dumps({"path": path, "text": body}),
+                      json.dumps({"ok": True, "lines": body.splitlines()})]
+            result = shapes[self.style(len(shapes))]
             return (self.phrase(name).format(path=path), {"path": path}, result,
                     f"The file {path} defines a function `main` that returns the working directory.",
                     f"the contents of {path}")
@@ -218,21 +259,49 @@ class DialogueMaker:
             op = r.choice(["+", "-", "*"])
             expr = f"{a} {op} {b}"
             value = eval(expr)  # noqa: S307 - our own generated arithmetic
-            return (self.phrase(name).format(expr=expr), {"code": f"print({expr})"}, str(value),
+            shapes = [str(value), json.dumps({"stdout": f"{value}\n"}), json.dumps({"output": value, "exit_code": 0}),
+                      json.dumps({"result": {"stdout": str(value), "stderr": ""}})]
+            result = shapes[self.style(len(shapes))]
+            return (self.phrase(name).format(expr=expr), {"code": f"print({expr})"}, result,
                     f"{expr} = {value}.", f"the value of {expr}")
         if name == "search_code":
             sym = r.choice(self.symbols)
             path = f"{self.dir_path()}/{r.choice(self.modules)}.py"
             line = r.randint(1, 900)
-            result = json.dumps([{"file": path, "line": line, "text": f"def {sym}("}])
+            shapes = [json.dumps([{"file": path, "line": line, "text": f"def {sym}("}]),
+                      f"{path}:{line}: def {sym}(",
+                      json.dumps({"matches": [{"path": path, "lineno": line}]}),
+                      json.dumps({"hits": 1, "results": [[path, line]]})]
+            result = shapes[self.style(len(shapes))]
             return (self.phrase(name).format(symbol=sym), {"query": sym}, result,
                     f"`{sym}` is defined in {path} at line {line}.", f"where {sym} is defined")
         path = self.dir_path()
         files = sorted(r.sample(self.modules, 3))
-        result = json.dumps([f + ".py" for f in files])
+        names = [f + ".py" for f in files]
+        shapes = [json.dumps(names), "\n".join(names), json.dumps({"files": names}),
+                  json.dumps({"entries": [{"name": n, "type": "file"} for n in names]})]
+        result = shapes[self.style(len(shapes))]
         return (self.phrase("list_dir").format(path=path), {"path": path}, result,
                 f"The directory {path} contains {files[0]}.py, {files[1]}.py and {files[2]}.py.",
                 f"the files in {path}")
+
+    def vary_tool(self, tool: dict) -> dict:
+        """A tool definition as a client might write it: sometimes without parameter descriptions,
+        optional parameters or with another description (training draws only)."""
+        r = self.rng
+        if self.held or r.random() < 0.5:
+            return tool
+        fn = json.loads(json.dumps(tool["function"]))
+        props = fn["parameters"]["properties"]
+        if r.random() < 0.5:
+            for spec in props.values():
+                spec.pop("description", None)
+        if r.random() < 0.5:
+            for key in [k for k in props if k not in fn["parameters"]["required"]]:
+                del props[key]
+        if r.random() < 0.4:
+            fn["description"] = fn["description"].rstrip(".").replace("Get the c", "C")
+        return {"type": "function", "function": fn}
 
     def tool_dialogue(self, name: str | None = None, think: bool | None = None) -> tuple[list, list]:
         """A full tool round: returns (messages, tools)."""
@@ -241,17 +310,24 @@ class DialogueMaker:
         others = [t for t in sorted(TOOLS) if t != name]
         chosen = [name] + r.sample(others, r.randint(0, 2))
         r.shuffle(chosen)
-        tools = [TOOLS[t] for t in chosen]
+        tools = [self.vary_tool(TOOLS[t]) for t in chosen]
         user, args, result, answer, purpose = self.tool_round(name)
         think = r.random() < 0.3 if think is None else think
         reasoning = f"The user wants {purpose}. I will call {name}." if think else ""
         messages = []
         if r.random() < 0.7:
             messages.append({"role": "system", "content": r.choice(SYSTEMS)})
+        call = {"role": "assistant", "content": "", "reasoning_content": reasoning,
+                "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]}
+        if not think and r.random() < 0.5:
+            # What an OpenAI-style client sends back: no reasoning field, the arguments as a JSON
+            # string, a call id (the template then renders the turn without an empty think block).
+            call = {"role": "assistant", "content": None, "tool_calls": [{
+                "id": f"call_{r.randrange(10**6)}", "type": "function",
+                "function": {"name": name, "arguments": json.dumps(args)}}]}
         messages += [
             {"role": "user", "content": user},
-            {"role": "assistant", "content": "", "reasoning_content": reasoning,
-             "tool_calls": [{"type": "function", "function": {"name": name, "arguments": args}}]},
+            call,
             {"role": "tool", "content": result},
             {"role": "assistant", "content": answer, "reasoning_content": ""},
         ]
@@ -286,6 +362,25 @@ class DialogueMaker:
         # Tools on offer but not needed: the model should answer directly.
         tools = [TOOLS[t] for t in r.sample(sorted(TOOLS), 2)] if r.random() < 0.15 else None
         return messages, tools
+
+
+def client_tool_rounds() -> list[tuple[list, list]]:
+    """Hand-written tool rounds as an agent would send them (own tool definitions, call ids, JSON
+    string arguments, result shapes of its own), each ending with the tool turn."""
+    def weather(desc, city, result, extra_tools=()):
+        tool = {"type": "function", "function": {"name": "get_weather", "description": desc, "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        return ([{"role": "user", "content": f"What is the weather like in {city} today?"},
+                 {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                     "name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+                 {"role": "tool", "tool_call_id": "c1", "content": json.dumps(result)}],
+                [tool, *extra_tools])
+    return [
+        weather("Get the current weather for a city.", "Lisbon", {"temp_c": 18, "sky": "clear"}),
+        weather("Current weather for a city", "Paris", {"temp_c": 18, "sky": "clear"}),
+        weather("Current weather for a city", "Kyoto", {"forecast": [{"hour": 12, "temp": 21}], "wind_kph": 9}),
+        weather("Weather lookup", "Quito", {"result": "partly cloudy", "celsius": 14}, [TOOLS["read_file"]]),
+    ]
 
 
 def python_symbols(code_texts: list[str]) -> list[str]:
@@ -383,21 +478,30 @@ def main(argv=None) -> int:
     ap.add_argument("--code-bytes", type=int, default=6_000_000, help="stdlib source bytes for training")
     ap.add_argument("--max-file-bytes", type=int, default=30_000)
     ap.add_argument("--num-dialogues", type=int, default=30_000)
-    ap.add_argument("--dialogue-fraction", type=float, default=0.5, help="share of rows that are dialogues")
+    ap.add_argument("--dialogue-fraction", type=float, default=0.625, help="share of rows that are dialogues")
     ap.add_argument("--tool-fraction", type=float, default=0.6, help="share of dialogues that call a tool")
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=512,
+                    help="tokens per row; tool dialogues run 200-450 tokens, so 512 lets a row hold a whole "
+                         "round (request, call, tool result, answer)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--num-layers", type=int, default=4)
-    ap.add_argument("--full-attention-interval", type=int, default=4)
+    ap.add_argument("--full-attention-interval", type=int, default=2,
+                    help="every N-th layer is full attention, the rest Gated DeltaNet")
     ap.add_argument("--num-experts", type=int, default=16)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--moe-intermediate-size", type=int, default=64)
     ap.add_argument("--shared-expert-intermediate-size", type=int, default=128)
     ap.add_argument("--eval-tool-dialogues", type=int, default=60)
     ap.add_argument("--eval-windows", type=int, default=48)
+    ap.add_argument("--loss-on", choices=["assistant", "all"], default="assistant",
+                    help="dialogue tokens that carry loss: only assistant turns (the long tool-definition "
+                         "system prompts would otherwise dominate) or every token; code rows always use all")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="continue training (fine-tune) the model in DIR, reusing its tokenizer files as they "
+                         "are; the architecture arguments are then ignored")
     args = ap.parse_args(argv)
 
     import torch
@@ -437,39 +541,98 @@ def main(argv=None) -> int:
     held_maker = DialogueMaker(random.Random(args.seed + 2), modules, symbols, held=True)
     held_dialogues = [render(*held_maker.tool_dialogue()) for _ in range(200)]
     tool_names = sorted(TOOLS)
-    eval_cases = [held_maker.tool_dialogue(name=tool_names[i % len(tool_names)], think=False)
+    value_maker = DialogueMaker(random.Random(args.seed + 3), modules, symbols, held=True, held_phrasing=False)
+    eval_sets = {
+        "unseen_values": [value_maker.tool_dialogue(name=tool_names[i % len(tool_names)], think=False)
+                          for i in range(args.eval_tool_dialogues)],
+        "unseen_values_and_phrasings": [held_maker.tool_dialogue(name=tool_names[i % len(tool_names)], think=False)
+                                        for i in range(args.eval_tool_dialogues)],
+    }
+    # After a tool result the assistant should answer in text and end its turn: held-out values,
+    # phrasings and result shapes, plus client-written tool definitions with results in shapes
+    # the generator never produces.
+    answer_maker = DialogueMaker(random.Random(args.seed + 4), modules, symbols, held=True)
+    after_tool = [answer_maker.tool_dialogue(name=tool_names[i % len(tool_names)], think=False)
                   for i in range(args.eval_tool_dialogues)]
+    after_tool += client_tool_rounds()
     log(f"corpus: {len(train_code)} code files ({sum(map(len, train_code)) / 1e6:.1f} MB), "
         f"{len(train_dialogues)} dialogues ({sum(map(len, train_dialogues)) / 1e6:.1f} MB)")
 
     # -- tokenizer ------------------------------------------------------------------------------
-    tok = train_tokenizer(train_code + train_dialogues, args.vocab_size)
-    assert tok.get_vocab_size() == args.vocab_size, tok.get_vocab_size()
-    tok.save(str(out / "tokenizer.json"))
-    with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config(tok), f, indent=2, ensure_ascii=False)
+    if args.init_from:
+        from tokenizers import Tokenizer
+        init = Path(args.init_from)
+        tok = Tokenizer.from_file(str(init / "tokenizer.json"))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            if (out / name).resolve() != (init / name).resolve():
+                (out / name).write_bytes((init / name).read_bytes())
+    else:
+        tok = train_tokenizer(train_code + train_dialogues, args.vocab_size)
+        assert tok.get_vocab_size() == args.vocab_size, tok.get_vocab_size()
+        tok.save(str(out / "tokenizer.json"))
+        with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:
+            json.dump(tokenizer_config(tok), f, indent=2, ensure_ascii=False)
     eot_id, im_end_id = tok.token_to_id(EOT), tok.token_to_id("<|im_end|>")
 
-    def encode_docs(texts):
-        ids, starts = [], []
-        for enc in tok.encode_batch([t + EOT for t in texts]):
+    opener, closer, empty_think = "<|im_start|>assistant\n", "<|im_end|>", "<think>\n\n</think>\n\n"
+
+    def pieces(text):
+        """The text cut where a generation prompt ends (after `<|im_start|>assistant\n` and an empty
+        think block): at serving time the prompt is tokenized alone, so e.g. a prompt's final
+        "\n\n" is one token, while inside "\n\nIt is" the tokenizer splits it into two. Training
+        on whole-text tokens would teach the model text answers only after a split it never sees."""
+        cuts, pos = [0], text.find(opener)
+        while pos >= 0:
+            cut = pos + len(opener)
+            cut += len(empty_think) if text.startswith(empty_think, cut) else 0
+            cuts.append(cut)
+            pos = text.find(opener, cut)
+        cuts.append(len(text))
+        return [(a, text[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+    def encode_docs(texts, with_mask=False):
+        """Token ids of the texts (each + EOT) back to back, each text's first index and, with
+        with_mask, a bool per token: True inside an assistant turn (after `<|im_start|>assistant\n`
+        up to and including its `<|im_end|>`), the tokens the model is asked to produce. Dialogues
+        are tokenized piece by piece (see pieces())."""
+        ids, starts, mask = [], [], []
+        for text in texts:
+            parts = pieces(text + EOT) if with_mask else [(0, text + EOT)]
+            spans, pos = [], text.find(opener)
+            while with_mask and pos >= 0:
+                end = text.find(closer, pos)
+                end = len(text) if end < 0 else end + len(closer)
+                spans.append((pos + len(opener), end))
+                pos = text.find(opener, end)
             starts.append(len(ids))
-            ids.extend(enc.ids)
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
+            for (base, part), enc in zip(parts, tok.encode_batch([p for _, p in parts])):
+                ids.extend(enc.ids)
+                if with_mask:
+                    mask.extend(any(a <= base + s_ < b for a, b in spans) for s_, _ in enc.offsets)
+        ids, starts = torch.tensor(ids, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
+        return (ids, starts, torch.tensor(mask, dtype=torch.bool)) if with_mask else (ids, starts)
 
     code_ids, _ = encode_docs(train_code)
-    dlg_ids, dlg_starts = encode_docs(train_dialogues)
+    dlg_ids, dlg_starts, dlg_mask = encode_docs(train_dialogues, with_mask=True)
+    if args.loss_on == "all":
+        dlg_mask[:] = True
     held_code_ids, _ = encode_docs(held_code)
-    held_dlg_ids, held_dlg_starts = encode_docs(held_dialogues)
+    held_dlg_ids, held_dlg_starts, held_dlg_mask = encode_docs(held_dialogues, with_mask=True)
     lengths = (dlg_starts[1:] - dlg_starts[:-1]).float()
     log(f"tokenizer: vocab {tok.get_vocab_size()}; code {len(code_ids)} tokens "
         f"({sum(map(len, train_code)) / len(code_ids):.2f} chars/token), dialogues {len(dlg_ids)} tokens "
         f"(mean {lengths.mean():.0f}, max {lengths.max():.0f} per dialogue)")
 
     # -- model ----------------------------------------------------------------------------------
-    config = model_config(tok.get_vocab_size(), args)
-    config.eos_token_id, config.pad_token_id = im_end_id, eot_id
-    model = Qwen3NextForCausalLM(config)
+    if args.init_from:
+        model = Qwen3NextForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        config = model.config
+        config.output_router_logits = True  # the router balance loss, as in the first training
+        log(f"initialised from {args.init_from}")
+    else:
+        config = model_config(tok.get_vocab_size(), args)
+        config.eos_token_id, config.pad_token_id = im_end_id, eot_id
+        model = Qwen3NextForCausalLM(config)
     n_params = sum(p.numel() for p in model.parameters())
     n_expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     log(f"model: {n_params / 1e6:.2f}M params ({n_expert / 1e6:.2f}M in routed experts), "
@@ -480,22 +643,23 @@ def main(argv=None) -> int:
 
     def batch():
         n_dlg = int(round(args.batch_size * args.dialogue_fraction))
-        rows = []
+        rows, labels = [], []
         for i in range(args.batch_size):
             if i < n_dlg:
-                # Half the dialogue rows start at a dialogue's first token, so the model learns
-                # conversations from their beginning; the others start anywhere, which reaches the
-                # tails of dialogues longer than seq_len.
-                if i % 2 == 0:
-                    s = int(dlg_starts[torch.randint(len(dlg_starts), (1,), generator=gen)])
-                else:
-                    s = int(torch.randint(len(dlg_ids), (1,), generator=gen))
+                # Dialogue rows start at a dialogue's first token (the model learns conversations
+                # from their beginning, tool definitions in view) and run on into the next ones.
+                s = int(dlg_starts[torch.randint(len(dlg_starts), (1,), generator=gen)])
                 s = min(s, len(dlg_ids) - T - 1)
-                rows.append(dlg_ids[s:s + T + 1])
+                row = dlg_ids[s:s + T + 1]
+                lab = row.clone()
+                lab[~dlg_mask[s:s + T + 1]] = -100
+                rows.append(row)
+                labels.append(lab)
             else:
                 s = int(torch.randint(len(code_ids) - T - 1, (1,), generator=gen))
                 rows.append(code_ids[s:s + T + 1])
-        return torch.stack(rows)
+                labels.append(rows[-1].clone())
+        return torch.stack(rows), torch.stack(labels)
 
     decay, no_decay = [], []
     for n, p in model.named_parameters():
@@ -515,8 +679,8 @@ def main(argv=None) -> int:
         lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
         for g in opt.param_groups:
             g["lr"] = lr
-        x = batch()
-        out_ = model(input_ids=x[:, :-1], labels=x[:, :-1].clone())
+        x, y = batch()
+        out_ = model(input_ids=x[:, :-1], labels=y[:, :-1])
         # labels are shifted inside the model; x[:, :-1] keeps shapes equal to the input.
         loss = out_.loss
         opt.zero_grad(set_to_none=True)
@@ -542,7 +706,8 @@ def main(argv=None) -> int:
     # -- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def held_loss(ids, starts=None):
+    def held_loss(ids, starts=None, mask=None):
+        """Mean nats/token over eval windows; with mask, only over the tokens it marks."""
         g = torch.Generator().manual_seed(1234)
         total, count = 0.0, 0
         for i in range(args.eval_windows):
@@ -553,43 +718,68 @@ def main(argv=None) -> int:
             s = min(s, len(ids) - T)
             window = ids[s:s + T].unsqueeze(0)
             logits = model(input_ids=window).logits[0, :-1]
-            total += float(torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum"))
-            count += T - 1
+            losses = torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="none")
+            keep = mask[s + 1:s + T] if mask is not None else torch.ones_like(losses, dtype=torch.bool)
+            total += float(losses[keep].sum())
+            count += int(keep.sum())
         return total / count
 
     train_all = torch.cat([code_ids, dlg_ids])
     metrics = {
         "held_out_code_loss": held_loss(held_code_ids),
         "held_out_dialogue_loss": held_loss(held_dlg_ids, held_dlg_starts),
+        "held_out_assistant_loss": held_loss(held_dlg_ids, held_dlg_starts, held_dlg_mask),
         "unigram_code_loss": unigram_baseline(train_all, held_code_ids, tok.get_vocab_size()),
         "unigram_dialogue_loss": unigram_baseline(train_all, held_dlg_ids, tok.get_vocab_size()),
     }
     log(f"held-out loss: {metrics}")
 
-    ok_format = ok_name = ok_args = 0
     samples = []
     t_eval = time.time()
-    for messages, tools in eval_cases:
-        prompt_msgs = [m for m in messages if m["role"] in ("system", "user")]
-        prompt = template.render(prompt_msgs, tools=tools, add_generation_prompt=True, enable_thinking=False)
+    for set_name, cases in eval_sets.items():
+        ok_format = ok_name = ok_args = 0
+        for messages, tools in cases:
+            prompt_msgs = [m for m in messages if m["role"] in ("system", "user")]
+            prompt = template.render(prompt_msgs, tools=tools, add_generation_prompt=True, enable_thinking=False)
+            ids = torch.tensor([tok.encode(prompt).ids])
+            with torch.no_grad():
+                gen_ids = model.generate(ids, max_new_tokens=96, do_sample=False,
+                                         eos_token_id=[im_end_id, eot_id], pad_token_id=eot_id)
+            text = tok.decode(gen_ids[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+            parsed = parse_output(text)
+            want = messages[-3]["tool_calls"][0]["function"]
+            good = len(parsed.tool_calls) == 1 and not parsed.invalid_tool_calls
+            right = good and parsed.tool_calls[0].name == want["name"]
+            ok_format += good
+            ok_name += right
+            ok_args += right and parsed.tool_calls[0].arguments == want["arguments"]
+            if sum(s["set"] == set_name for s in samples) < 4:
+                samples.append({"set": set_name, "request": prompt_msgs[-1]["content"], "output": text})
+        n = len(cases)
+        metrics[set_name] = {"tool_call_well_formed": ok_format / n, "tool_call_right_name": ok_name / n,
+                             "tool_call_exact_arguments": ok_args / n, "dialogues": n}
+        log(f"tool calls ({set_name}): well-formed {ok_format}/{n}, right name {ok_name}/{n}, "
+            f"exact args {ok_args}/{n} ({time.time() - t_eval:.0f}s)")
+
+    ok_text = 0
+    for i, (messages, tools) in enumerate(after_tool):
+        last_tool = max(j for j, m in enumerate(messages) if m["role"] == "tool")
+        prompt = template.render(messages[:last_tool + 1], tools=tools, add_generation_prompt=True,
+                                 enable_thinking=False)
         ids = torch.tensor([tok.encode(prompt).ids])
         with torch.no_grad():
-            gen_ids = model.generate(ids, max_new_tokens=96, do_sample=False,
+            gen_ids = model.generate(ids, max_new_tokens=64, do_sample=False,
                                      eos_token_id=[im_end_id, eot_id], pad_token_id=eot_id)
-        text = tok.decode(gen_ids[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+        new = gen_ids[0, ids.shape[1]:].tolist()
+        text = tok.decode(new, skip_special_tokens=True)
         parsed = parse_output(text)
-        want = messages[-3]["tool_calls"][0]["function"]
-        good = len(parsed.tool_calls) == 1 and not parsed.invalid_tool_calls
-        ok_format += good
-        ok_name += good and parsed.tool_calls[0].name == want["name"]
-        ok_args += good and parsed.tool_calls[0].name == want["name"] and parsed.tool_calls[0].arguments == want["arguments"]
-        if len(samples) < 6:
-            samples.append({"request": prompt_msgs[-1]["content"], "output": text})
-    n = len(eval_cases)
-    metrics.update({"tool_call_well_formed": ok_format / n, "tool_call_right_name": ok_name / n,
-                    "tool_call_exact_arguments": ok_args / n, "tool_eval_dialogues": n})
-    log(f"tool calls: well-formed {ok_format}/{n}, right name {ok_name}/{n}, exact args {ok_args}/{n} "
-        f"({time.time() - t_eval:.0f}s)")
+        good = (bool(new) and new[-1] == im_end_id and not parsed.tool_calls and not parsed.invalid_tool_calls
+                and bool(parsed.content.strip()) and "<tool_call>" not in text)
+        ok_text += good
+        if i >= len(after_tool) - 4 or i < 2:
+            samples.append({"set": "after_tool_result", "request": messages[last_tool]["content"], "output": text})
+    metrics["after_tool_result"] = {"answers_in_text": ok_text / len(after_tool), "dialogues": len(after_tool)}
+    log(f"after a tool result: answers in text {ok_text}/{len(after_tool)} ({time.time() - t_eval:.0f}s)")
 
     code_prompt = "import os\n\n\ndef "
     with torch.no_grad():
@@ -608,11 +798,23 @@ def main(argv=None) -> int:
         "tokenizers": __import__("tokenizers").__version__, "python": sys.version.split()[0],
         "samples": samples, "code_sample": code_sample,
     }
+    if args.init_from:
+        report["previous_stage"] = previous_stage(Path(args.init_from))
     with open(out / "TRAINING.json", "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, ensure_ascii=False)
     write_markdown(out / "TRAINING.md", report)
     log(f"saved to {out} ({st_bytes / 1e6:.1f} MB safetensors)")
     return 0
+
+
+def previous_stage(init_dir: Path) -> dict | None:
+    """The training record of the model a fine-tune started from (its own TRAINING.json)."""
+    path = init_dir / "TRAINING.json"
+    if not path.exists():
+        return None
+    prev = json.loads(path.read_text(encoding="utf-8"))
+    keep = ("seed", "steps", "train_minutes", "tokens_seen", "args", "metrics", "previous_stage")
+    return {k: prev[k] for k in keep if k in prev}
 
 
 def write_markdown(path: Path, r: dict) -> None:
@@ -632,7 +834,16 @@ def write_markdown(path: Path, r: dict) -> None:
         f"- safetensors: {r['safetensors_bytes'] / 1e6:.1f} MB (fp32)",
         f"- training: {r['steps']} steps × {a['batch_size']} × {a['seq_len']} tokens "
         f"({r['tokens_seen'] / 1e6:.1f}M tokens) in {r['train_minutes']} min on {a['threads']} CPU thread(s), "
-        f"seed {r['seed']}, lr {a['lr']}",
+        f"seed {r['seed']}, lr {a['lr']}, loss on {a.get('loss_on', 'all')} tokens of dialogues"
+        + (f", continued from `{a['init_from']}`" if a.get("init_from") else ""),
+    ] + ([
+        f"- before that: {p['steps']} steps ({p['tokens_seen'] / 1e6:.1f}M tokens) in {p['train_minutes']} min, "
+        f"seq len {p['args']['seq_len']}, loss on {p['args'].get('loss_on', 'all')} tokens of dialogues, "
+        f"lr {p['args']['lr']} (its record is under `previous_stage` in TRAINING.json)"
+        for p in [r.get("previous_stage")] if p
+    ]) + [
+        "- arguments: `" + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in a.items()
+                                    if k != "out" and v is not None) + "`",
         f"- software: python {r['python']}, torch {r['torch']}, transformers {r['transformers']}, "
         f"tokenizers {r['tokenizers']}",
         "",
@@ -643,19 +854,32 @@ def write_markdown(path: Path, r: dict) -> None:
         f"| stdlib files not trained on | {m['held_out_code_loss']:.3f} | {m['unigram_code_loss']:.3f} |",
         f"| tool dialogues, unseen values and phrasings | {m['held_out_dialogue_loss']:.3f} | "
         f"{m['unigram_dialogue_loss']:.3f} |",
+    ] + ([
+        f"| the same dialogues, assistant turns only | {m['held_out_assistant_loss']:.3f} | |"
+    ] if "held_out_assistant_loss" in m else []) + [
         "",
-        f"Greedy generation after the generation prompt (thinking off) on {m['tool_eval_dialogues']} held-out "
-        "tool requests:",
+        f"Greedy generation after the generation prompt (thinking off) on held-out tool requests, "
+        "a correct call needing the right name and exactly the expected arguments:",
         "",
-        f"- well-formed `<tool_call>{{json}}</tool_call>`: {m['tool_call_well_formed']:.0%}",
-        f"- right tool name: {m['tool_call_right_name']:.0%}",
-        f"- exactly the expected arguments: {m['tool_call_exact_arguments']:.0%}",
+        "| held-out set | well-formed `<tool_call>{json}</tool_call>` | right tool name | exact arguments |",
+        "|---|---|---|---|",
+    ] + [
+        f"| {k.replace('_', ' ')} ({m[k]['dialogues']}) | {m[k]['tool_call_well_formed']:.0%} | "
+        f"{m[k]['tool_call_right_name']:.0%} | {m[k]['tool_call_exact_arguments']:.0%} |"
+        for k in ("unseen_values", "unseen_values_and_phrasings")
+    ] + [
+        "",
+        "Greedy generation after a tool result (held-out values, phrasings and result shapes, plus "
+        "client-written tools and results), counted when it is plain text ending with `<|im_end|>`:",
+        "",
+        f"- after a tool result: answers in text {m['after_tool_result']['answers_in_text']:.0%} "
+        f"({m['after_tool_result']['dialogues']} dialogues)",
         "",
         "## Samples",
         "",
     ]
     for s in r["samples"]:
-        lines += [f"- request: {s['request']!r}", f"  output: `{s['output']!r}`"]
+        lines += [f"- ({s['set']}) request: {s['request']!r}", f"  output: `{s['output']!r}`"]
     lines += ["", "Code continuation of `import os\\n\\n\\ndef `:", "", "```python", r["code_sample"], "```", ""]
     path.write_text("\n".join(lines), encoding="utf-8")
 
