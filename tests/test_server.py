@@ -456,7 +456,8 @@ def test_tool_round_trip_with_default_model():
         s = ServerThread(create_app(rt, cfg, model_name="default"))
         try:
             c = s.client()
-            messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+            # A wording the default model was trained on: the test checks the path, TRAINING.md the model.
+            messages = [{"role": "user", "content": "What's the weather like in Paris?"}]
             kw = dict(model="default", messages=messages, tools=[WEATHER_TOOL], temperature=0, max_tokens=128)
             r = c.chat.completions.create(**kw)
             choice = r.choices[0]
