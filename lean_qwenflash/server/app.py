@@ -338,21 +338,9 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
             return StreamingResponse(_chat_stream(srv, job, request, rid, created, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         message = ChatMessage()
-        try:
-            while True:
-                kind, payload = await srv.next_event(job, request)
-                if kind == "delta":
-                    for d in payload:
-                        message.add(d)
-                elif kind == "error":
-                    raise ApiError(500, payload, code="generation_failed")
-                else:
-                    break
-        except _ClientGone:
+        payload = await _collect(srv, job, request, lambda deltas: [message.add(d) for d in deltas])
+        if payload is None:
             return Response(status_code=499)
-        finally:
-            job.cancel()
-        srv.finished(job)
         return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
                 "choices": [{"index": 0, "message": message.to_dict(), "logprobs": None,
                              "finish_reason": finish_reason(_reason(payload), message)}],
@@ -370,26 +358,36 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
             usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_completion_stream(srv, job, request, rid, created, usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text = ""
-        try:
-            while True:
-                kind, payload = await srv.next_event(job, request)
-                if kind == "delta":
-                    text += "".join(d["text"] for d in payload)
-                elif kind == "error":
-                    raise ApiError(500, payload, code="generation_failed")
-                else:
-                    break
-        except _ClientGone:
+        pieces = []
+        payload = await _collect(srv, job, request, lambda deltas: pieces.extend(d["text"] for d in deltas))
+        if payload is None:
             return Response(status_code=499)
-        finally:
-            job.cancel()
-        srv.finished(job)
+        text = "".join(pieces)
         return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _reason(payload)}],
                 "usage": _usage(payload)}
 
     return app
+
+
+async def _collect(srv: _Server, job: Job, request: Request, on_deltas) -> Optional[dict]:
+    """Run a non-streamed job to its end, handing each batch of deltas to ``on_deltas``; returns
+    the final info, or None when the client went away (the job is cancelled either way)."""
+    try:
+        while True:
+            kind, payload = await srv.next_event(job, request)
+            if kind == "delta":
+                on_deltas(payload)
+            elif kind == "error":
+                raise ApiError(500, payload, code="generation_failed")
+            else:
+                break
+    except _ClientGone:
+        return None
+    finally:
+        job.cancel()
+    srv.finished(job)
+    return payload
 
 
 def _reason(info: dict) -> str:
