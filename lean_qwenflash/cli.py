@@ -80,14 +80,11 @@ def _prompt_ids(args, rt) -> list[int]:
 def cmd_generate(args) -> int:
     import time
     from .generate.generator import Generator
-    from .generate.sampling import SamplingParams
-    from .runtime import Runtime
+    from .runtime import Runtime, sampling_params
 
     cfg = _runtime_config(args)
     gen_cfg = cfg.generation
-    params = SamplingParams(temperature=gen_cfg.temperature if args.temperature is None else args.temperature,
-                            top_p=gen_cfg.top_p if args.top_p is None else args.top_p,
-                            top_k=gen_cfg.top_k, min_p=gen_cfg.min_p, seed=args.seed)
+    params = sampling_params(gen_cfg, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     max_tokens = args.max_tokens or gen_cfg.max_tokens
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
@@ -129,14 +126,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .generate.sampling import SamplingParams
     from .repl import chat_loop
-    from .runtime import Runtime
+    from .runtime import Runtime, sampling_params
 
     cfg = _runtime_config(args)
     g = cfg.generation
-    params = SamplingParams(temperature=g.temperature if args.temperature is None else args.temperature,
-                            top_p=g.top_p, top_k=g.top_k, min_p=g.min_p, seed=args.seed)
+    params = sampling_params(g, temperature=args.temperature, seed=args.seed)
     with Runtime.open(cfg) as rt:
         return chat_loop(rt, params, args.max_tokens or g.max_tokens, think=args.think, system=args.system)
 

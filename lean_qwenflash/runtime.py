@@ -20,6 +20,16 @@ from .store.checkpoint import TORCH_DTYPES
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 
 
+def sampling_params(gen_cfg, **overrides) -> "SamplingParams":
+    """SamplingParams from the config's generation defaults; an override that is not None wins.
+    (The CLI and the server both build their sampling this way.)"""
+    from .generate.sampling import SamplingParams
+    fields = ("temperature", "top_p", "top_k", "min_p")
+    values = {k: getattr(gen_cfg, k) for k in fields}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**values)
+
+
 def router_weights(resident: dict, config: dict) -> dict:
     """{layer_idx: router weight [E, H]} for every MoE layer, from the resident tensors."""
     names = naming.arch_names(config)
@@ -119,4 +129,4 @@ class Runtime:
         self.close()
 
 
-__all__ = ["Runtime", "ResidentExperts", "router_weights", "DEFAULT_MODEL_DIR"]
+__all__ = ["Runtime", "ResidentExperts", "router_weights", "sampling_params", "DEFAULT_MODEL_DIR"]

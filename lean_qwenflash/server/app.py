@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lean_qwenflash.chat import TemplateError
 from lean_qwenflash.generate import SamplingParams
+from lean_qwenflash.runtime import sampling_params
 from lean_qwenflash.server.engine import Engine, Job, QueueFull, Steering
 from lean_qwenflash.server.metrics import Metrics
 from lean_qwenflash.server.output import ChatMessage, ChatOutput, TextOutput, chunk_deltas, finish_reason
@@ -150,16 +151,12 @@ class _Server:
                                 "(see GET /v1/models)", "model", "model_not_found")
 
     def sampling(self, req) -> SamplingParams:
-        g = self.cfg.generation
-        top_k = req.top_k if req.top_k is not None else g.top_k
         try:
-            return SamplingParams(
-                temperature=g.temperature if req.temperature is None else req.temperature,
-                top_p=g.top_p if req.top_p is None else req.top_p,
-                top_k=max(top_k, 0), min_p=g.min_p if req.min_p is None else req.min_p,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                seed=req.seed)
+            return sampling_params(
+                self.cfg.generation, temperature=req.temperature, top_p=req.top_p,
+                top_k=None if req.top_k is None else max(req.top_k, 0),   # OpenAI-style -1 = off
+                min_p=req.min_p, repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, seed=req.seed)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
