@@ -87,6 +87,9 @@ class TieredExperts(ExpertProvider):
         self._hidden: dict[int, torch.Tensor] = {}
         self._pinned: dict[int, list] = {}
         self._views: dict = {}
+        # Layers with the same record layout share one set of cached views per slot.
+        layouts: dict = {}
+        self._layout_id = {l: layouts.setdefault(store.layer(l).tensors, len(layouts)) for l in self.layers}
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -103,10 +106,10 @@ class TieredExperts(ExpertProvider):
 
     # -- views ----------------------------------------------------------------------------------
     def _view(self, base: torch.Tensor, tier: str, slot: int, layer_idx: int) -> ExpertWeights:
-        rec = self.store.layer(layer_idx)
-        key = (tier, slot, rec.tensors)
+        key = (tier, slot, self._layout_id[layer_idx])
         v = self._views.get(key)
         if v is None:
+            rec = self.store.layer(layer_idx)
             parts = []
             for t in rec.tensors:
                 raw = base[slot, t.offset:t.offset + t.nbytes]
@@ -115,10 +118,12 @@ class TieredExperts(ExpertProvider):
         return v
 
     # -- host tier ------------------------------------------------------------------------------
-    def _host_alloc(self, key, layer_idx: int):
+    def _host_alloc(self, key, layer_idx: int, wait: bool = True):
+        """A READING host slot for ``key``. With ``wait`` (demand reads) it waits for in-flight
+        copies or speculative reads to free one; without (prefetch) it returns None instead."""
         while True:
             slot, old = self.host.allocate(key)
-            if slot is not None:
+            if slot is not None or not wait:
                 break
             if self.dev is not None and self._host_events:
                 self._sync_host_copies()
@@ -127,6 +132,8 @@ class TieredExperts(ExpertProvider):
                 raise RuntimeError(f"host expert cache exhausted: all {self.host.num_slots} slots are in use by "
                                    f"layer {layer_idx}; raise host_cache_bytes")
             self._finish_host(self._speculative.popleft())   # oldest speculative read frees its slot
+        if slot is None:
+            return None
         if old is not None:
             self._evicted(slot, old)
         if self.dev is not None and slot in self._host_events:
@@ -312,13 +319,9 @@ class TieredExperts(ExpertProvider):
                     continue
                 if len(self._speculative) >= self.max_speculative:
                     return
-                slot, old = self.host.allocate(key)
+                slot = self._host_alloc(key, nxt, wait=False)
                 if slot is None:
                     return                      # everything else is pinned or in flight: skip
-                if old is not None:
-                    self._evicted(slot, old)
-                if self.dev is not None and slot in self._host_events:
-                    self._host_events.pop(slot).synchronize()
                 self._host_submit(slot, nxt, e, urgent=False)
                 self._prefetched[slot] = True
                 self._speculative.append(slot)
