@@ -17,13 +17,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lean_qwenflash.io_engine import AlignedBuffer, open_engine, uring_compiled  # noqa: E402
+from lean_qwenflash.io_engine import measure_random_reads, open_engine, uring_compiled  # noqa: E402
 
 MiB = 1 << 20
 
@@ -52,29 +51,7 @@ def ensure_fio() -> str | None:
 
 def run_ours(path: Path, kind: str, block: int, depth: int, seconds: float) -> dict:
     eng = open_engine(path, kind, queue_depth=depth)
-    nblocks = eng.file_size // block
-    slots = AlignedBuffer(block * depth)
-    rng = np.random.default_rng()  # fresh offsets each run: no help from host-side caching
-    offsets = rng.integers(0, nblocks, size=1 << 20) * block
-    inflight = []
-    k = 0
-    t0 = time.perf_counter()
-    for j in range(depth):
-        inflight.append((eng.submit(slots, j * block, int(offsets[k]), block, k), j))
-        k += 1
-    done = 0
-    while True:
-        rid, j = inflight.pop(0)
-        eng.wait(rid)
-        done += 1
-        if time.perf_counter() - t0 >= seconds:
-            break
-        inflight.append((eng.submit(slots, j * block, int(offsets[k % len(offsets)]), block, k), j))
-        k += 1
-    for rid, _ in inflight:
-        eng.wait(rid)
-        done += 1
-    dt = time.perf_counter() - t0
+    done, dt = measure_random_reads(eng, block, seconds)
     eng.close()
     return {"gbps": done * block / dt / 1e9, "iops": done / dt}
 

@@ -128,31 +128,12 @@ def skew_pack(src: Path, out: Path, seed: int = 1) -> None:
 # -- worker ---------------------------------------------------------------------------------------
 
 def probe_bandwidth(store, seconds: float = 3.0) -> float:
-    """GB/s of random record reads with this store's engine and depth (what the I/O bound uses)."""
-    from lean_qwenflash.io_engine import AlignedBuffer
-    eng, rec = store.engine, store.manifest.layers[0]
-    depth = eng.queue_depth
-    buf = AlignedBuffer(depth * rec.record_bytes)
-    g = torch.Generator().manual_seed(int(time.time()))
-    total = sum(l.num_experts for l in store.manifest.layers)
-    picks = torch.randint(0, total, (100_000,), generator=g).tolist()
-    inflight, k, done = [], 0, 0
-    t0 = time.perf_counter()
-    while True:
-        while len(inflight) < depth:
-            r = picks[k % len(picks)]
-            layer = store.manifest.layers[r // rec.num_experts]
-            off = layer.offset(r % rec.num_experts)
-            inflight.append(eng.submit(buf, (k % depth) * rec.record_bytes, off, rec.record_bytes, r))
-            k += 1
-        eng.wait(inflight.pop(0))
-        done += 1
-        if time.perf_counter() - t0 > seconds:
-            break
-    for rid in inflight:
-        eng.wait(rid)
-        done += 1
-    return done * rec.record_bytes / (time.perf_counter() - t0) / 1e9
+    """GB/s of random record reads with this store's engine and depth (what the I/O bound uses).
+    Records are uniform and contiguous, so record-sized aligned blocks are records."""
+    from lean_qwenflash.io_engine import measure_random_reads
+    block = store.manifest.layers[0].record_bytes
+    done, dt = measure_random_reads(store.engine, block, seconds)
+    return done * block / dt / 1e9
 
 
 def worker(spec: dict) -> dict:

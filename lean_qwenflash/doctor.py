@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +34,7 @@ def _cgroup_limit() -> Optional[int]:
 
 
 def _probe_engine(path: Path, kind: str, block: int, seconds: float) -> tuple[Optional[float], str]:
-    from .io_engine import AlignedBuffer, IoError, open_engine
+    from .io_engine import IoError, measure_random_reads, open_engine
     try:
         eng = open_engine(path, kind, queue_depth=8)
     except IoError as e:
@@ -43,25 +42,13 @@ def _probe_engine(path: Path, kind: str, block: int, seconds: float) -> tuple[Op
     note = eng.kind + ("" if eng.direct else " (no O_DIRECT: " + eng.fallback_reason.strip() + ")")
     if eng.kind != kind and kind != "auto":
         note += f" ({eng.fallback_reason.strip()})"
-    nblocks = eng.file_size // block
-    if nblocks == 0:
-        eng.close()
+    try:
+        done, dt = measure_random_reads(eng, block, seconds)
+    except ValueError:
         return None, note
-    buf = AlignedBuffer(8 * block)
-    import random
-    rng = random.Random()
-    done, t0, inflight, k = 0, time.perf_counter(), [], 0
-    while time.perf_counter() - t0 < seconds:
-        while len(inflight) < 8:
-            inflight.append(eng.submit(buf, (k % 8) * block, rng.randrange(nblocks) * block, block, k))
-            k += 1
-        eng.wait(inflight.pop(0))
-        done += 1
-    eng.wait_all(inflight)
-    done += len(inflight)
-    gbps = done * block / (time.perf_counter() - t0) / 1e9
-    eng.close()
-    return gbps, note
+    finally:
+        eng.close()
+    return done * block / dt / 1e9, note
 
 
 def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> int:

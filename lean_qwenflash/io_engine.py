@@ -9,6 +9,8 @@ copy. Every failure is an :class:`IoError` (an ``OSError``) carrying ``errno`` a
 """
 from __future__ import annotations
 
+import time
+
 try:
     from . import _io
 except ImportError as e:  # pragma: no cover - only without a build
@@ -35,6 +37,32 @@ def open_engine(path: str, engine: str = "auto", queue_depth: int = 32, num_thre
 
 def uring_compiled() -> bool:
     return _io.uring_compiled()
+
+
+def measure_random_reads(engine, block: int, seconds: float) -> tuple[int, float]:
+    """Keep ``engine.queue_depth`` reads of ``block`` bytes at random block-aligned offsets in
+    flight for about ``seconds``; returns (reads completed, elapsed seconds). Used by `doctor`
+    and the benchmarks so they all measure bandwidth the same way."""
+    import random
+    depth = engine.queue_depth
+    nblocks = engine.file_size // block
+    if nblocks == 0:
+        raise ValueError(f"{engine.path} is smaller than one {block}-byte block")
+    slots = AlignedBuffer(block * depth)
+    rng = random.Random()            # fresh offsets each run: no help from host-side caching
+    inflight, k, done = [], 0, 0
+    t0 = time.perf_counter()
+    while True:
+        while len(inflight) < depth:
+            # FIFO: the slot of the read just completed is the one reused.
+            inflight.append(engine.submit(slots, (k % depth) * block, rng.randrange(nblocks) * block, block, k))
+            k += 1
+        engine.wait(inflight.pop(0))
+        done += 1
+        if time.perf_counter() - t0 >= seconds:
+            break
+    engine.wait_all(inflight)
+    return done + len(inflight), time.perf_counter() - t0
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:

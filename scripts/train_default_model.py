@@ -35,13 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
 import sys
 import sysconfig
 import time
-import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent

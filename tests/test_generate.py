@@ -1,6 +1,5 @@
 """Generation loop, sampling and state reuse."""
 import pytest
-import torch
 
 import hf_models
 from lean_qwenflash.generate import Generator, SamplingParams, new_state

@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from lean_qwenflash import io_engine
 from lean_qwenflash.io_engine import AlignedBuffer, IoError
 from lean_qwenflash.store import ChecksumError, ExpertStore, StoreError, pack
-from lean_qwenflash.store import format as fmt
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 from lean_qwenflash.store.naming import UnsupportedArchitecture
 

@@ -7,7 +7,6 @@ already dispatches to flash/memory-efficient kernels on CUDA. Untested here (no 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 try:  # pragma: no cover - CUDA-only optional dependency
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
