@@ -4,20 +4,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from .config import format_size
 
 
 def cmd_pack(args) -> int:
     from .store.packer import pack
     m = pack(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=not args.quiet)
     print(f"packed {m.architecture} into {args.out_dir}: {len(m.layers)} MoE layers, {m.num_records} expert "
-          f"records, {_human_bytes(m.experts_bytes)} of experts; tokenizer files: {', '.join(m.tokenizer_files) or 'none'}")
+          f"records, {format_size(m.experts_bytes)} of experts; tokenizer files: {', '.join(m.tokenizer_files) or 'none'}")
     return 0
 
 
@@ -27,11 +21,11 @@ def cmd_inspect(args) -> int:
         m = store.manifest
         print(f"pack:         {store.path}")
         print(f"architecture: {m.architecture} ({m.family}), {m.created_by}")
-        print(f"experts:      {m.num_records} records in {len(m.layers)} layers, {_human_bytes(m.experts_bytes)}")
+        print(f"experts:      {m.num_records} records in {len(m.layers)} layers, {format_size(m.experts_bytes)}")
         if m.layers:
             l0 = m.layers[0]
             shapes = ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in l0.tensors)
-            print(f"record:       {_human_bytes(l0.record_bytes)} ({shapes})")
+            print(f"record:       {format_size(l0.record_bytes)} ({shapes})")
         print(f"I/O engine:   {store.engine.kind if store.engine else '-'}"
               f"{' (' + store.engine.fallback_reason.strip() + ')' if store.engine and store.engine.fallback_reason else ''}")
         if args.verify_all:
@@ -43,7 +37,7 @@ def cmd_inspect(args) -> int:
                 store.read([(rec.layer_idx, e, buf, e * rec.record_bytes) for e in range(rec.num_experts)])
             dt = time.perf_counter() - t0
             print(f"verified:     all {m.num_records} records match their checksums "
-                  f"({_human_bytes(m.experts_bytes / max(dt, 1e-9))}/s)")
+                  f"({format_size(int(m.experts_bytes / max(dt, 1e-9)))}/s)")
     return 0
 
 
