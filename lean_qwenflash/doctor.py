@@ -93,7 +93,7 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
             out(f"io_uring:      unavailable: {why}" + (f" (kernel.io_uring_disabled={disabled})" if disabled else ""))
             out("               the pread engine is used instead (io_engine: auto does this by itself)")
         else:
-            out(f"io_uring:      available" + (f" (kernel.io_uring_disabled={disabled})" if disabled not in (None, "0") else ""))
+            out("io_uring:      available" + (f" (kernel.io_uring_disabled={disabled})" if disabled not in (None, "0") else ""))
         gbps_p, note_p = _probe_engine(target, "pread", block, probe_seconds / 2)
         if gbps_p is None and gbps_u is None:
             out(f"I/O:           cannot read {target}: {note_p}")

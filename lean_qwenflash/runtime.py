@@ -6,7 +6,7 @@ store) knows nothing of configs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -16,6 +16,9 @@ from .experts.tiered import TieredExperts
 from .store import ExpertStore
 from .store import naming
 from .store.checkpoint import TORCH_DTYPES
+
+if TYPE_CHECKING:  # imported lazily at run time (the generation package imports this module's users)
+    from .generate.sampling import SamplingParams
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 

@@ -856,7 +856,7 @@ def write_markdown(path: Path, r: dict) -> None:
         f"| the same dialogues, assistant turns only | {m['held_out_assistant_loss']:.3f} | |"
     ] if "held_out_assistant_loss" in m else []) + [
         "",
-        f"Greedy generation after the generation prompt (thinking off) on held-out tool requests, "
+        "Greedy generation after the generation prompt (thinking off) on held-out tool requests, "
         "a correct call needing the right name and exactly the expected arguments:",
         "",
         "| held-out set | well-formed `<tool_call>{json}</tool_call>` | right tool name | exact arguments |",

@@ -5,13 +5,14 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import hf_models
 from lean_qwenflash.experts.provider import ExpertProvider, ExpertWeights, ResidentExperts
 from lean_qwenflash.generate import Generator, SamplingParams, new_state
-from lean_qwenflash.models import CheckpointError, build_model, load_hf_checkpoint, supported_architectures
+from lean_qwenflash.models import CheckpointError, build_model, kernels, load_hf_checkpoint, supported_architectures
 from lean_qwenflash.store import naming
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -121,6 +122,48 @@ def test_slot_provider_bit_identical_and_protocol(family):
         for kind, layer, expert_ids in acquires:
             assert expert_ids == sorted(set(expert_ids))
             assert ("release", layer, expert_ids) in slots.calls
+
+
+@pytest.fixture
+def two_threads_split_everything(monkeypatch):
+    """Decode's row-split products (kernels.linear) on every weight, as on a 2-core user machine
+    (the suite otherwise runs one thread, where the split is off, and tiny weights stay under its
+    size threshold)."""
+    monkeypatch.setattr(kernels, "SPLIT_MIN_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_linear_equals_f_linear(two_threads_split_everything, dtype):
+    torch.manual_seed(0)
+    for rows, cols, bias, batch in ((64, 48, False, (1,)), (64, 48, True, (1, 1)), (63, 48, False, (1,)),
+                                    (64, 48, False, (3,))):
+        w = torch.randn(rows, cols, dtype=dtype)
+        b = torch.randn(rows, dtype=dtype) if bias else None
+        x = torch.randn(*batch, cols, dtype=dtype)
+        got = kernels.linear(x, w, b)
+        assert got.shape == batch + (rows,)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got, F.linear(x, w, b), **tol)
+    # A transposed (non-contiguous) weight takes the plain path and still gives the right answer.
+    w = torch.randn(48, 64, dtype=dtype).t()
+    torch.testing.assert_close(kernels.linear(torch.ones(1, 48, dtype=dtype), w), w.sum(dim=1)[None].to(dtype),
+                               **(dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_moe", "mixtral", "olmoe"])
+def test_two_thread_split_decode_matches_transformers(two_threads_split_everything, family):
+    c = hf_models.case(family)
+    model, _ = load_hf_checkpoint(c.path)
+    state = new_state(model)
+    steps = [model(c.prompt[:, i:i + 1], state) for i in range(c.prompt.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), c.hf_logits, rtol=RTOL, atol=ATOL)
+    ours = list(Generator(model, prefill_chunk_tokens=16).generate(
+        c.prompt[0].tolist(), SamplingParams(temperature=0), max_new_tokens=32))
+    assert ours == c.hf_greedy(32)
 
 
 def test_state_clone_is_an_independent_snapshot():

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from lean_qwenflash.models.layers import Rotary, SparseMoeBlock
+from lean_qwenflash.models import kernels
+from lean_qwenflash.models.layers import Linear, Rotary, SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
@@ -52,7 +52,7 @@ class CausalLM(nn.Module):
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = norm
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(hidden_size, vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else Linear(hidden_size, vocab_size, bias=False)
         self.layer_types = list(layer_types)
         self.rotary = rotary
         self._layers = list(layers)
@@ -87,7 +87,7 @@ class CausalLM(nn.Module):
             x = x[:, -1:]
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head)
+        return kernels.linear(x, head)
 
 
 _REQUIRED = object()

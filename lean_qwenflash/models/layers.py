@@ -24,6 +24,13 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and keys) whose one-row products use every CPU thread."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """``w * x / rms(x)``; ``zero_centred`` (Qwen3-Next) stores ``w - 1``, i.e. computes ``(1 + w)``."""
 
@@ -111,10 +118,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate, self.qk_norm, self.clip_qkv = output_gate, qk_norm, clip_qkv
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         if qk_norm == "head":
             self.q_norm = RMSNorm(head_dim, norm_eps, zero_centred_norm)
             self.k_norm = RMSNorm(head_dim, norm_eps, zero_centred_norm)
@@ -223,14 +230,14 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim,
                                 bias=False, padding=conv_kernel_size - 1)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(head_v_dim, norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
 
     def _conv(self, mixed: torch.Tensor, state) -> torch.Tensor:
         """mixed [B, T, C] -> silu(causal depthwise conv) [B, T, C]; keeps the last K-1 inputs."""
@@ -285,9 +292,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -295,9 +302,9 @@ class MLP(nn.Module):
 
 def _expert_output(x: torch.Tensor, w) -> torch.Tensor:
     """down(silu(gate) * up) for x [N, H] -> [N, H]."""
-    h = F.linear(x, w.gate_up)
+    h = kernels.linear(x, w.gate_up)
     inter = h.shape[-1] // 2
-    return F.linear(F.silu(h[:, :inter]).mul_(h[:, inter:]), w.down)
+    return kernels.linear(F.silu(h[:, :inter]).mul_(h[:, inter:]), w.down)
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, provider, layer_idx: int) -> torch.Tensor:
@@ -358,10 +365,10 @@ class SparseMoeBlock(nn.Module):
                  layer_idx: int, shared_intermediate_size: int = 0):
         super().__init__()
         self.layer_idx, self.top_k, self.norm_topk_prob = layer_idx, top_k, norm_topk_prob
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = Linear(hidden_size, num_experts, bias=False)
         if shared_intermediate_size:
             self.shared_expert = MLP(hidden_size, shared_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
         self.provider = None    # set by the model; not a submodule, owns no weights
