@@ -51,6 +51,28 @@ def chunked_delta_rule(q, k, v, g, beta, state, torch_impl):
 SPLIT_MIN_BYTES = 256 << 10
 
 
+def split_parts(weight: torch.Tensor) -> int:
+    """Row blocks for a one-row product with ``weight`` (1: use a plain F.linear)."""
+    parts = torch.get_num_threads()
+    if (parts < 2 or weight.is_cuda or weight.shape[0] % parts or weight.nbytes < SPLIT_MIN_BYTES
+            or not weight.is_contiguous()):
+        return 1
+    return parts
+
+
+def split_input(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """One row x [1, cols] as ``split_gemv`` takes it: itself, or a [parts, 1, cols] view."""
+    return x if parts == 1 else x.view(1, 1, x.shape[-1]).expand(parts, 1, x.shape[-1])
+
+
+def split_gemv(x_in: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """[1, rows] = one row times ``weight``ᵀ, the weight's rows split into ``parts`` blocks (one bmm)."""
+    if parts == 1:
+        return F.linear(x_in, weight)
+    rows, cols = weight.shape
+    return torch.bmm(x_in, weight.view(parts, rows // parts, cols).transpose(1, 2)).view(1, rows)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """``F.linear``, except that a one-row product on CPU uses every intra-op thread.
 
@@ -59,12 +81,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     it a bmm, which runs one block per thread: 20.7 GB/s for a 64 MB head, about 1.75x for
     256 KB-3 MB matrices. Results equal F.linear's up to summation order.
     """
-    parts = torch.get_num_threads()
-    rows, cols = weight.shape
-    if (parts < 2 or x.is_cuda or x.numel() != cols or weight.nbytes < SPLIT_MIN_BYTES
-            or rows % parts or not weight.is_contiguous()):
+    parts = split_parts(weight) if x.numel() == weight.shape[1] else 1
+    if parts == 1:
         return F.linear(x, weight, bias)
-    out = torch.bmm(x.reshape(1, 1, cols).expand(parts, 1, cols),
-                    weight.view(parts, rows // parts, cols).transpose(1, 2))
-    out = out.view(x.shape[:-1] + (rows,))
+    out = split_gemv(split_input(x.view(1, -1), parts), weight, parts).view(x.shape[:-1] + (weight.shape[0],))
     return out if bias is None else out + bias
