@@ -97,9 +97,43 @@ def hf_config(family: str, variant: str = "base"):
     return config
 
 
+def _import_qwen3_next_modeling_without_fla() -> None:
+    """Import transformers' Qwen3-Next modeling module with flash-linear-attention hidden.
+
+    transformers binds the gated delta rule (and its gated norm) when that module is first imported:
+    to fla's Triton kernels whenever ``fla`` imports, and ``lean_qwenflash.models.kernels`` imports it
+    first on a GPU machine. Those kernels need CUDA tensors and our references run on the CPU, so
+    hide fla for that one import; transformers then keeps its torch code (our kernels keep fla).
+    """
+    import importlib
+    import sys
+
+    from transformers.utils import import_utils
+
+    name = "transformers.models.qwen3_next.modeling_qwen3_next"
+    if name in sys.modules:
+        return
+    saved = {k: m for k, m in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+    available = getattr(import_utils, "is_flash_linear_attention_available", None)
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["fla"] = None                    # `import fla` raises ImportError (newer transformers)
+    if available is not None:                    # older transformers ask this first
+        import_utils.is_flash_linear_attention_available = lambda: False
+    try:
+        importlib.import_module(name)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+        if available is not None:
+            import_utils.is_flash_linear_attention_available = available
+
+
 def hf_model_class(family: str):
     import transformers
 
+    if family == "qwen3_next":
+        _import_qwen3_next_modeling_without_fla()
     return {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
             "mixtral": transformers.MixtralForCausalLM, "olmoe": transformers.OlmoeForCausalLM}[family]
 

@@ -225,3 +225,30 @@ def test_cuda_copies_overlap_compute(packs):
     tiers.release(store.moe_layers[0], [0, 1])
     tiers.close()
     store.close()
+
+
+@needs_cuda
+def test_cuda_refilled_device_slots_wait_for_queued_products(packs, monkeypatch):
+    """A prefill selecting more experts than there are device slots runs in groups; a group's copies
+    must not overwrite slots whose products from the previous group are still queued. A GPU sleep
+    after each acquire keeps those products queued long after the CPU has moved on."""
+    c = hf_models.case("qwen3_next")
+    cfg = load_config(model=str(packs["qwen3_next"]), device="cuda")
+    store = ExpertStore.open(packs["qwen3_next"])
+    cfg.device_cache_bytes = 2 * store.max_record_bytes       # top-k: every group refills both slots
+    cfg.host_cache_bytes = 4 * store.max_record_bytes
+    store.close()
+    with Runtime.open(cfg, resident_experts=True) as ref:
+        want = ref.model(c.prompt.cuda())
+    acquire = TieredExperts.acquire
+
+    def slow_acquire(self, layer_idx, expert_ids):
+        views = acquire(self, layer_idx, expert_ids)
+        torch.cuda._sleep(2_000_000)        # ~1 ms of GPU time ahead of this group's products
+        return views
+
+    monkeypatch.setattr(TieredExperts, "acquire", slow_acquire)
+    with Runtime.open(cfg) as rt:
+        got = rt.model(c.prompt.cuda())
+        assert rt.stats()["total"]["h2d_copies"] > 2 * len(rt.model.moe_blocks())   # groups did refill
+    assert torch.equal(got, want)

@@ -77,6 +77,7 @@ class TieredExperts(ExpertProvider):
             self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
             self._dev_events: dict[int, object] = {}     # device slot -> event of its fill copy
             self._host_events: dict[int, object] = {}    # host slot -> event of a copy reading it
+            self._dev_reads: dict[int, object] = {}      # device slot -> event after its last compute use
         elif self.device.type != "cpu":
             raise ConfigError("device_cache_bytes: a GPU device needs a device expert cache (> 0)")
 
@@ -248,6 +249,10 @@ class TieredExperts(ExpertProvider):
 
     def _copy_to_device(self, dslot: int, hslot: int) -> None:
         if self._cuda:
+            last_read = self._dev_reads.pop(dslot, None)
+            if last_read is not None:
+                # Products queued on the compute stream may still read the evicted expert.
+                self._copy_stream.wait_event(last_read)
             with torch.cuda.stream(self._copy_stream):
                 self.dev_bytes[dslot].copy_(self.host_bytes[hslot], non_blocking=True)
                 ev = torch.cuda.Event()
@@ -284,6 +289,13 @@ class TieredExperts(ExpertProvider):
             return
         tier, slots = stack.pop()
         cache = self.dev if tier == "dev" else self.host
+        if tier == "dev" and self._cuda:
+            # Release happens when the products are queued, not done: remember where they end so
+            # that a copy refilling one of these slots waits for them (write after read).
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            for s in slots:
+                self._dev_reads[s] = done
         for s in slots:
             cache.unpin(s)
 

@@ -38,7 +38,7 @@ def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def chunked_delta_rule(q, k, v, g, beta, state, torch_impl):
     """Dispatch the prefill delta rule; shapes as ``layers.chunked_gated_delta_rule``."""
-    if _fla_chunk is not None and q.is_cuda:  # pragma: no cover
+    if _fla_chunk is not None and q.is_cuda and q.dtype != torch.float64:  # pragma: no cover
         # fla wants [B, T, H, D] and already-normalised, already-scaled q, k.
         out, final = _fla_chunk(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
                                 beta.transpose(1, 2), scale=1.0, initial_state=state,
