@@ -2,6 +2,7 @@
 weights, on this machine's CPU.
 
     python bench/decode.py [--out bench/results/decode.json] [--prompt-tokens 512] [--decode-tokens 128]
+    python bench/decode.py --device cuda --dtype bfloat16      # the same comparison on a GPU
 
 Builds a seeded random checkpoint (~1.8 GB fp32) in a temp dir with transformers, loads it with
 ``load_hf_checkpoint``, then times both runtimes: prefill = one forward over the prompt that fills
@@ -58,10 +59,10 @@ def make_checkpoint(path: str, seed: int):
 class OursRunner:
     """Our runtime: prefill fills a fresh state; decode continues it greedily."""
 
-    def __init__(self, model):
+    def __init__(self, model, device):
         self.model = model
         self.gen = Generator(model, prefill_chunk_tokens=1 << 20)
-        self.token = torch.empty(1, 1, dtype=torch.long)
+        self.token = torch.empty(1, 1, dtype=torch.long, device=device)
 
     def prefill(self, prompt: torch.Tensor) -> None:
         self.state = new_state(self.model)
@@ -79,8 +80,9 @@ class OursRunner:
 class TransformersRunner:
     """transformers eager forward with its DynamicCache (what ``generate`` runs, minus processors)."""
 
-    def __init__(self, model):
+    def __init__(self, model, device):
         self.model = model
+        self.device = device
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor) -> None:
@@ -96,12 +98,15 @@ class TransformersRunner:
         for _ in range(num_tokens):
             tok = int(torch.argmax(self.logits))
             self.tokens.append(tok)
-            self.logits = self.model(torch.tensor([[tok]]), cache=self.cache, use_cache=True).logits[0, -1]
+            self.logits = self.model(torch.tensor([[tok]], device=self.device), cache=self.cache, use_cache=True).logits[0, -1]
 
 
 def timed(fn, *args) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn(*args)
+    sync()
     return time.perf_counter() - t0
 
 
@@ -133,19 +138,23 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="torch device for both runtimes (cpu, cuda)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
 
     with tempfile.TemporaryDirectory(prefix="lqf-bench-") as tmp:
         t0 = time.perf_counter()
-        hf_model = make_checkpoint(tmp, args.seed)
-        ours, provider = load_hf_checkpoint(tmp)
+        hf_model = make_checkpoint(tmp, args.seed).to(device=args.device, dtype=dtype)
+        ours, provider = load_hf_checkpoint(tmp, dtype=dtype, device=args.device)
         setup_s = time.perf_counter() - t0
     size_bytes = sum(p.nbytes for p in ours.parameters()) + provider.nbytes()
-    prompt = torch.randint(0, CONFIG["vocab_size"], (1, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, args.prompt_tokens),
+                           generator=torch.Generator().manual_seed(1)).to(args.device)
 
     load_before = os.getloadavg()[0]
-    results = compare({"ours": OursRunner(ours), "transformers": TransformersRunner(hf_model)}, prompt,
+    results = compare({"ours": OursRunner(ours, args.device), "transformers": TransformersRunner(hf_model, args.device)}, prompt,
                       args.decode_tokens)
     (ours_prefill, ours_decode, ours_tokens), (hf_prefill, hf_decode, hf_tokens) = results["ours"], results["transformers"]
     load_after = os.getloadavg()[0]
@@ -155,7 +164,8 @@ def main() -> None:
         "prefill_tok_s": (args.prompt_tokens / ours_prefill, args.prompt_tokens / hf_prefill),
         "decode_tok_s": (args.decode_tokens / ours_decode, args.decode_tokens / hf_decode),
     }
-    print(f"model: Qwen3-Next shape, {size_bytes / 1e9:.2f} GB fp32, {CONFIG['num_hidden_layers']} layers, "
+    print(f"model: Qwen3-Next shape, {size_bytes / 1e9:.2f} GB {args.dtype} on {args.device}, "
+          f"{CONFIG['num_hidden_layers']} layers, "
           f"{CONFIG['num_experts']} experts top-{CONFIG['num_experts_per_tok']}; threads={args.threads}; "
           f"setup {setup_s:.0f}s; 1-min load average {load_before:.1f} -> {load_after:.1f}")
     print(f"{'metric':<16}{'ours':>12}{'transformers':>14}{'ratio':>8}")
@@ -163,7 +173,8 @@ def main() -> None:
         print(f"{name:<16}{a:>12.2f}{b:>14.2f}{a / b:>8.2f}")
     print(f"greedy tokens identical for the first {same}/{args.decode_tokens} steps")
     result = {
-        "model": {"family": "qwen3_next", "bytes": size_bytes, "dtype": "float32", "config": CONFIG},
+        "model": {"family": "qwen3_next", "bytes": size_bytes, "dtype": args.dtype, "device": args.device,
+                  "config": CONFIG},
         "threads": args.threads, "load_average_1min": [load_before, load_after], "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
         "ours": {"prefill_s": ours_prefill, "decode_s": ours_decode,
                  "prefill_tok_s": rows["prefill_tok_s"][0], "decode_tok_s": rows["decode_tok_s"][0]},

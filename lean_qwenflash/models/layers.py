@@ -309,7 +309,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     """
     num_tokens, top_k = indices.shape
     if num_tokens == 1:
-        pairs = sorted(zip(indices[0].tolist(), weights[0].tolist()))
+        # One device-to-host transfer (a sync on CUDA) for ids and weights; float64 holds both exactly.
+        ids_and_weights = torch.stack((indices[0].to(torch.float64), weights[0].to(torch.float64))).tolist()
+        pairs = sorted((int(e), w) for e, w in zip(*ids_and_weights))
         expert_ids = [e for e, _ in pairs]
         experts = provider.acquire(layer_idx, expert_ids)
         try:
@@ -329,8 +331,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat)
-    expert_ids = counts.nonzero().flatten().tolist()
-    counts = counts[expert_ids].tolist()
+    all_counts = counts.tolist()                      # one device-to-host transfer
+    expert_ids = [e for e, n in enumerate(all_counts) if n]
+    counts = [all_counts[e] for e in expert_ids]
     token_of = order // top_k
     weight_of = weights.reshape(-1)[order]
     out = torch.zeros_like(x)
