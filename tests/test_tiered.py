@@ -80,6 +80,28 @@ def test_streamed_equals_resident_bit_for_bit(family, packs):
         rt.close()
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "mixtral"])
+def test_streamed_equals_resident_with_two_thread_split_decode(family, packs, monkeypatch):
+    """Decode as on a 2-core machine: every one-row product split over two threads (kernels.linear)
+    still gives the resident bits when the experts come from cache slots."""
+    from lean_qwenflash.models import kernels
+
+    monkeypatch.setattr(kernels, "SPLIT_MIN_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        c = hf_models.case(family)
+        ref_logits, ref_tokens = _reference(packs[family], c.prompt)
+        store = ExpertStore.open(packs[family])
+        minimum = _budgets(store, int(c.config["num_experts_per_tok"]))["minimum"]
+        store.close()
+        with Runtime.open(load_config(model=str(packs[family]), host_cache_bytes=minimum)) as rt:
+            assert torch.equal(rt.model(c.prompt), ref_logits)
+            assert list(Generator(rt.model).generate(c.prompt[0].tolist(), GREEDY, 16)) == ref_tokens
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_eviction_stress_never_serves_wrong_expert(packs):
     """Random routing, minimal caches, speculative reads: every served expert equals the store's."""
     for device_bytes in (0, None):
