@@ -63,7 +63,3 @@ def measure_random_reads(engine, block: int, seconds: float) -> tuple[int, float
             break
     engine.wait_all(inflight)
     return done + len(inflight), time.perf_counter() - t0
-
-
-def align_up(n: int, alignment: int = ALIGNMENT) -> int:
-    return (n + alignment - 1) // alignment * alignment

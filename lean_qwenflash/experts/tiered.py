@@ -27,7 +27,7 @@ import torch
 
 from ..config import ConfigError, format_size
 from ..io_engine import AlignedBuffer
-from ..store.checkpoint import TORCH_DTYPES
+from ..store.reader import record_views
 from .cache import READING, SlotCache
 from .provider import ExpertProvider, ExpertWeights
 from .stats import TierStats
@@ -101,34 +101,23 @@ class TieredExperts(ExpertProvider):
     def num_host_slots(self) -> int:
         return self.host.num_slots
 
-    @property
-    def num_device_slots(self) -> int:
-        return self.dev.num_slots if self.dev else 0
-
     # -- views ----------------------------------------------------------------------------------
     def _view(self, base: torch.Tensor, tier: str, slot: int, layer_idx: int) -> ExpertWeights:
         key = (tier, slot, self._layout_id[layer_idx])
         v = self._views.get(key)
         if v is None:
-            rec = self.store.layer(layer_idx)
-            parts = []
-            for t in rec.tensors:
-                raw = base[slot, t.offset:t.offset + t.nbytes]
-                parts.append(raw.view(TORCH_DTYPES[t.dtype]).view(t.shape))
-            v = self._views[key] = ExpertWeights(*parts)
+            v = self._views[key] = record_views(self.store.layer(layer_idx), base[slot])
         return v
 
     # -- host tier ------------------------------------------------------------------------------
     def _host_alloc(self, key, layer_idx: int, wait: bool = True):
-        """A READING host slot for ``key``. With ``wait`` (demand reads) it waits for in-flight
-        copies or speculative reads to free one; without (prefetch) it returns None instead."""
+        """A READING host slot for ``key``. With ``wait`` (demand reads) it waits for speculative
+        reads to free one; without (prefetch) it returns None instead. (A host slot whose copy to
+        the device is still in flight is evictable: reusing it waits for that copy's event.)"""
         while True:
             slot, old = self.host.allocate(key)
             if slot is not None or not wait:
                 break
-            if self.dev is not None and self._host_events:
-                self._sync_host_copies()
-                continue
             if not self._speculative:
                 raise RuntimeError(f"host expert cache exhausted: all {self.host.num_slots} slots are in use by "
                                    f"layer {layer_idx}; raise host_cache_bytes")
@@ -204,11 +193,6 @@ class TieredExperts(ExpertProvider):
         return slots
 
     # -- device tier ----------------------------------------------------------------------------
-    def _sync_host_copies(self) -> None:
-        for ev in self._host_events.values():
-            ev.synchronize()
-        self._host_events.clear()
-
     def _acquire_device(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
         st = self.stats.layers[layer_idx]
         dev_slots, missing = [], []

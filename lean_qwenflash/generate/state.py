@@ -54,13 +54,11 @@ class DeltaNetState:
     def __init__(self):
         self.conv: Optional[torch.Tensor] = None
         self.recurrent: Optional[torch.Tensor] = None
-        self.num_tokens = 0
 
     def clone(self) -> "DeltaNetState":
         other = DeltaNetState()
         other.conv = None if self.conv is None else self.conv.clone()
         other.recurrent = None if self.recurrent is None else self.recurrent.clone()
-        other.num_tokens = self.num_tokens
         return other
 
     def nbytes(self) -> int:
@@ -72,23 +70,11 @@ class ModelState:
 
     def __init__(self, layers: list):
         self.layers = layers
-        self._num_tokens = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self._num_tokens
-
-    @num_tokens.setter
-    def num_tokens(self, value: int) -> None:
-        # DeltaNet states learn the count here (attention caches count their own appends).
-        self._num_tokens = value
-        for layer in self.layers:
-            if isinstance(layer, DeltaNetState):
-                layer.num_tokens = value
+        self.num_tokens = 0
 
     def clone(self) -> "ModelState":
         other = ModelState([layer.clone() for layer in self.layers])
-        other._num_tokens = self._num_tokens
+        other.num_tokens = self.num_tokens
         return other
 
     def nbytes(self) -> int:

@@ -3,7 +3,8 @@
 On CUDA, flash-linear-attention's chunked gated delta rule and causal-conv1d are used when they
 import; everything else (and every CPU run) uses torch. On CPU, one-row products (decode) are
 spread over the intra-op threads by ``linear``. Attention always goes through SDPA, which
-already dispatches to flash/memory-efficient kernels on CUDA. Untested here (no GPU): keep small.
+already dispatches to flash/memory-efficient kernels on CUDA. The CUDA branches run in
+tests/test_cuda.py (on a GPU machine: scripts/device_check.sh).
 """
 from __future__ import annotations
 

@@ -15,26 +15,14 @@ from lean_qwenflash.experts.provider import ExpertProvider, ResidentExperts, ali
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
-# HF architecture string -> module under lean_qwenflash.models with a ``build(config)`` function.
-REGISTRY = {
-    "Qwen3NextForCausalLM": "qwen3_next",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-}
-
-
 def supported_architectures() -> list[str]:
-    return sorted(REGISTRY)
+    return sorted(naming.ARCHITECTURES)
 
 
 def family_module(config: dict):
-    """The family module (with ``build(config) -> CausalLM``) for an HF config dict."""
-    for arch in config.get("architectures") or []:
-        if arch in REGISTRY:
-            return importlib.import_module(f"lean_qwenflash.models.{REGISTRY[arch]}")
-    raise naming.UnsupportedArchitecture(
-        f"unsupported architecture {config.get('architectures')!r}; supported: {', '.join(supported_architectures())}")
+    """The family module (with ``build(config) -> CausalLM``) for an HF config dict; the family
+    comes from ``naming``, as for the packer, so both accept the same configs."""
+    return importlib.import_module(f"lean_qwenflash.models.{naming.arch_names(config).family}")
 
 
 def _names_list(names, limit: int = 20) -> str:

@@ -21,13 +21,13 @@ def build_moe_transformer(config: dict, *, qk_norm: Optional[str], norm_topk_pro
         raise NotImplementedError(f"sliding_window={config['sliding_window']} attention is not supported yet")
     moe_layers = set(moe_layer_indices(config))
     num_layers = int(config_value(config, "num_hidden_layers"))
+    num_experts, top_k = expert_dims(config)[:2]
     layers = []
     for layer_idx in range(num_layers):
         attn = Attention(hidden, int(config_value(config, "num_attention_heads")),
                          int(config_value(config, "num_key_value_heads")), head_dim, norm_eps=eps,
                          bias=bool(config.get("attention_bias", False)), qk_norm=qk_norm, clip_qkv=clip_qkv)
         if layer_idx in moe_layers:
-            num_experts, top_k, _, _ = expert_dims(config)
             mlp = SparseMoeBlock(hidden, num_experts, top_k, norm_topk_prob, layer_idx)
         else:
             mlp = MLP(hidden, int(config_value(config, "intermediate_size")))

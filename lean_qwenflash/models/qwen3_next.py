@@ -5,7 +5,7 @@ from __future__ import annotations
 from lean_qwenflash.models.base import (CausalLM, DecoderLayer, attention_head_dim, config_value,
                                         rotary_from_config)
 from lean_qwenflash.models.layers import MLP, Attention, GatedDeltaNet, RMSNorm, SparseMoeBlock
-from lean_qwenflash.store.naming import moe_layer_indices
+from lean_qwenflash.store.naming import expert_dims, moe_layer_indices
 
 
 def layer_types(config: dict) -> list[str]:
@@ -27,6 +27,7 @@ def build(config: dict) -> CausalLM:
     head_dim = attention_head_dim(config)
     types = layer_types(config)
     moe_layers = set(moe_layer_indices(config))
+    num_experts, top_k = expert_dims(config)[:2]
     layers = []
     for layer_idx, kind in enumerate(types):
         if kind == "linear_attention":
@@ -43,9 +44,7 @@ def build(config: dict) -> CausalLM:
                               bias=bool(config.get("attention_bias", False)), qk_norm="head",
                               zero_centred_norm=True, output_gate=True)
         if layer_idx in moe_layers:
-            mlp = SparseMoeBlock(hidden, int(config_value(config, "num_experts")),
-                                 int(config_value(config, "num_experts_per_tok")),
-                                 bool(config.get("norm_topk_prob", True)), layer_idx,
+            mlp = SparseMoeBlock(hidden, num_experts, top_k, bool(config.get("norm_topk_prob", True)), layer_idx,
                                  int(config.get("shared_expert_intermediate_size", 0)))
         else:
             mlp = MLP(hidden, int(config_value(config, "intermediate_size")))

@@ -103,12 +103,6 @@ class Manifest:
     def num_records(self) -> int:
         return sum(l.num_experts for l in self.layers)
 
-    def layer(self, layer_idx: int) -> LayerRecords:
-        for l in self.layers:
-            if l.layer_idx == layer_idx:
-                return l
-        raise KeyError(f"layer {layer_idx} has no routed experts in this pack")
-
     def to_json(self) -> dict:
         return {
             "format": FORMAT_MAGIC, "version": FORMAT_VERSION, "alignment": ALIGNMENT,

@@ -24,6 +24,14 @@ class ChecksumError(fmt.StoreError):
         self.expert_id = expert_id
 
 
+def record_views(rec: fmt.LayerRecords, raw: torch.Tensor):
+    """Zero-copy views (gate_up, down) of one record held in ``raw``, a uint8 tensor that starts
+    at the record (a buffer, a cache slot, a device row)."""
+    from ..experts.provider import ExpertWeights
+    return ExpertWeights(*(raw[t.offset:t.offset + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape)
+                           for t in rec.tensors))
+
+
 class ExpertStore:
     """A pack directory opened for reading. Use :meth:`open`."""
 
@@ -165,21 +173,24 @@ class ExpertStore:
             raise first
 
     def expert_views(self, layer_idx: int, dest, dest_offset: int = 0):
-        """Zero-copy torch views (gate_up, down) of a record that sits in ``dest``."""
-        from ..experts.provider import ExpertWeights
+        """Zero-copy torch views (gate_up, down) of a record that sits in ``dest`` (a buffer)."""
         rec = self.layer(layer_idx)
-        views = []
-        for t in rec.tensors:
-            dtype = TORCH_DTYPES[t.dtype]
-            count = t.nbytes // torch.tensor([], dtype=dtype).element_size()
-            views.append(torch.frombuffer(dest, dtype=dtype, count=count, offset=dest_offset + t.offset).view(t.shape))
-        return ExpertWeights(*views)
+        size = max(t.offset + t.nbytes for t in rec.tensors)
+        return record_views(rec, torch.frombuffer(dest, dtype=torch.uint8, count=size, offset=dest_offset))
 
     def read_expert(self, layer_idx: int, expert_id: int):
         """One expert in a fresh aligned buffer (tests, tools; the cache uses its own slots)."""
         buf = AlignedBuffer(self.record_bytes(layer_idx))
         self.read([(layer_idx, expert_id, buf, 0)])
         return self.expert_views(layer_idx, buf)
+
+    def read_layer(self, layer_idx: int):
+        """Every record of one layer, checksums checked as by :meth:`read`, in a fresh aligned buffer
+        (expert e at ``e * record_bytes``); returns the buffer (`inspect --verify-all` just drops it)."""
+        rec = self.layer(layer_idx)
+        buf = AlignedBuffer(rec.record_bytes * rec.num_experts)
+        self.read([(layer_idx, e, buf, e * rec.record_bytes) for e in range(rec.num_experts)])
+        return buf
 
     def load_resident(self, device="cpu", dtype=None) -> dict:
         """Every resident tensor (attention, DeltaNet, norms, routers, shared experts, head)."""
@@ -194,8 +205,7 @@ class ExpertStore:
         from ..experts.provider import ResidentExperts
         layers = {}
         for rec in self.manifest.layers:
-            buf = AlignedBuffer(rec.record_bytes * rec.num_experts)
-            self.read([(rec.layer_idx, e, buf, e * rec.record_bytes) for e in range(rec.num_experts)])
+            buf = self.read_layer(rec.layer_idx)
             layers[rec.layer_idx] = [self.expert_views(rec.layer_idx, buf, e * rec.record_bytes)
                                      for e in range(rec.num_experts)]
         return ResidentExperts(layers)
