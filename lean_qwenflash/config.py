@@ -117,6 +117,16 @@ class RuntimeConfig:
                               f"got {self.server.default_reasoning_effort!r}")
         if self.server.max_request_bytes < 1024:
             raise ConfigError(f"server.max_request_bytes: must be at least 1KiB, got {self.server.max_request_bytes}")
+        gen = self.generation
+        for key in ("max_tokens", "prefill_chunk_tokens"):
+            if getattr(gen, key) < 1:
+                raise ConfigError(f"generation.{key}: must be >= 1, got {getattr(gen, key)}")
+        # Sampling values are checked where they are defined, so the rules live in one place.
+        from .generate.sampling import SamplingParams
+        try:
+            SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p)
+        except ValueError as err:
+            raise ConfigError(f"generation: {err}") from None
         return self
 
     def to_dict(self) -> dict:

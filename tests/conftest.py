@@ -1,6 +1,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 # Tests run against the working tree even before `pip install -e .`.
@@ -8,3 +9,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The test models are tiny: one thread is faster than two and immune to a busy second core.
 torch.set_num_threads(1)
+
+
+@pytest.fixture
+def two_threads_split_everything(monkeypatch):
+    """Decode's row-split products (kernels.linear) on every weight, as on a 2-core user machine
+    (the suite otherwise runs one thread, where the split is off, and tiny weights stay under its
+    size threshold). Shared by test_models and test_tiered."""
+    # Imported here, not at the top: conftest loads for every test file, most never need the models.
+    from lean_qwenflash.models import kernels
+
+    monkeypatch.setattr(kernels, "SPLIT_MIN_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)

@@ -1,9 +1,11 @@
 """Tiny random Hugging Face checkpoints for tests (shared with the streaming tests).
 
-``make_checkpoint(family, variant, path)`` builds a transformers model from a small config, perturbs
-every parameter (norms, A_log, dt_bias included, so a missing ``+1`` or a skipped term cannot pass),
-and saves it with ``save_pretrained`` (per-expert keys) or, with ``stacked=True``, writes
-``model.state_dict()`` with safetensors ``save_file`` (stacked [E, ...] expert tensors).
+``make_hf_model(family, variant)`` builds a transformers model from a small config and perturbs
+every parameter (norms, A_log, dt_bias included, so a missing ``+1`` or a skipped term cannot pass);
+``save_checkpoint(model, path)`` saves it with ``save_pretrained`` (per-expert keys) or, with
+``stacked=True``, writes ``model.state_dict()`` with safetensors ``save_file`` (stacked [E, ...]
+expert tensors). ``case(family, variant)`` holds both layouts and transformers' reference outputs,
+made once per session.
 
 Router near-ties would let fp32 rounding flip an expert choice, so a seed is accepted only when,
 on the test sequence, every router's k-th and (k+1)-th probabilities differ by at least
@@ -235,12 +237,6 @@ def save_checkpoint(model, path: str, stacked: bool = False) -> str:
     return path
 
 
-def make_checkpoint(family: str, variant: str, path: str, stacked: bool = False, seed: int = 0):
-    """Make a tiny random HF checkpoint dir; returns (path, transformers model)."""
-    model, _ = make_hf_model(family, variant, seed)
-    return save_checkpoint(model, path, stacked), model
-
-
 def read_config(path: str) -> dict:
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
@@ -261,15 +257,16 @@ class Case:
         self.prompt = prompt_ids(self.hf_model.config.vocab_size)
         with torch.no_grad():
             self.hf_logits = self.hf_model(self.prompt).logits
-        self._greedy = None
+        self._greedy: dict[int, list[int]] = {}   # num_tokens -> continuation
 
     def hf_greedy(self, num_tokens: int = 32) -> list[int]:
-        if self._greedy is None:
+        # Keyed by length: a cached 32-token answer is not the answer to a 16-token request.
+        if num_tokens not in self._greedy:
             with torch.no_grad():
                 out = self.hf_model.generate(self.prompt, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
                                              do_sample=False)
-            self._greedy = out[0, self.prompt.shape[1]:].tolist()
-        return self._greedy
+            self._greedy[num_tokens] = out[0, self.prompt.shape[1]:].tolist()
+        return self._greedy[num_tokens]
 
 
 _CASES: dict = {}

@@ -124,18 +124,6 @@ def test_slot_provider_bit_identical_and_protocol(family):
             assert ("release", layer, expert_ids) in slots.calls
 
 
-@pytest.fixture
-def two_threads_split_everything(monkeypatch):
-    """Decode's row-split products (kernels.linear) on every weight, as on a 2-core user machine
-    (the suite otherwise runs one thread, where the split is off, and tiny weights stay under its
-    size threshold)."""
-    monkeypatch.setattr(kernels, "SPLIT_MIN_BYTES", 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_linear_equals_f_linear(two_threads_split_everything, dtype):
     torch.manual_seed(0)

@@ -81,25 +81,17 @@ def test_streamed_equals_resident_bit_for_bit(family, packs):
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "mixtral"])
-def test_streamed_equals_resident_with_two_thread_split_decode(family, packs, monkeypatch):
+def test_streamed_equals_resident_with_two_thread_split_decode(family, packs, two_threads_split_everything):
     """Decode as on a 2-core machine: every one-row product split over two threads (kernels.linear)
     still gives the resident bits when the experts come from cache slots."""
-    from lean_qwenflash.models import kernels
-
-    monkeypatch.setattr(kernels, "SPLIT_MIN_BYTES", 0)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        c = hf_models.case(family)
-        ref_logits, ref_tokens = _reference(packs[family], c.prompt)
-        store = ExpertStore.open(packs[family])
-        minimum = _budgets(store, int(c.config["num_experts_per_tok"]))["minimum"]
-        store.close()
-        with Runtime.open(load_config(model=str(packs[family]), host_cache_bytes=minimum)) as rt:
-            assert torch.equal(rt.model(c.prompt), ref_logits)
-            assert list(Generator(rt.model).generate(c.prompt[0].tolist(), GREEDY, 16)) == ref_tokens
-    finally:
-        torch.set_num_threads(threads)
+    c = hf_models.case(family)
+    ref_logits, ref_tokens = _reference(packs[family], c.prompt)
+    store = ExpertStore.open(packs[family])
+    minimum = _budgets(store, int(c.config["num_experts_per_tok"]))["minimum"]
+    store.close()
+    with Runtime.open(load_config(model=str(packs[family]), host_cache_bytes=minimum)) as rt:
+        assert torch.equal(rt.model(c.prompt), ref_logits)
+        assert list(Generator(rt.model).generate(c.prompt[0].tolist(), GREEDY, 16)) == ref_tokens
 
 
 def test_eviction_stress_never_serves_wrong_expert(packs):
@@ -204,6 +196,18 @@ def test_config_files_and_errors(tmp_path):
     assert load_config(write("host_cache_bytes: 512MiB\n")).host_cache_bytes == 512 * 2**20
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_config_generation_defaults_checked_at_load(tmp_path):
+    """Bad generation defaults fail when the config loads, naming the key, not on every request."""
+    cases = [("temperature: -1", "temperature"), ("top_p: 0", "top_p"), ("top_k: -2", "top_k"),
+             ("min_p: 1.5", "min_p"), ("max_tokens: 0", "generation.max_tokens"),
+             ("prefill_chunk_tokens: 0", "generation.prefill_chunk_tokens")]
+    for line, key in cases:
+        p = tmp_path / "c.yaml"
+        p.write_text(f"generation:\n  {line}\n")
+        with pytest.raises(ConfigError, match=key):
+            load_config(p)
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
