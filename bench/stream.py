@@ -164,8 +164,9 @@ def worker(spec: dict) -> dict:
     decode_s = times[-1] - times[spec["warmup_tokens"] - 1] if spec["warmup_tokens"] else times[-1] - t0
     out.update(tokens=spec["tokens"], decode_tok_s=spec["tokens"] / decode_s, prefill_s=times[0] - t0,
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, token_ids=tokens)
-    if hasattr(rt.provider, "stats"):
-        t = rt.provider.stats.snapshot()["total"]
+    snap = rt.stats()   # {} when every expert is resident: nothing streamed, nothing to report
+    if snap:
+        t = snap["total"]
         out.update({k: t[k] for k in ("lookups", "misses", "bytes_read", "stall_time_s", "read_time_s",
                                       "prefetch_issued", "prefetch_useful", "prefetch_wasted",
                                       "prefetch_precision", "prefetch_recall", "hit_rate")})
@@ -244,8 +245,10 @@ def main() -> int:
                 tokens=args.tokens, warmup_tokens=args.warmup_tokens, prompt_tokens=args.prompt_tokens,
                 probe_seconds=args.probe_seconds, threads=args.threads)
     print(f"experts {experts_bytes / 2**30:.1f} GiB ({experts_bytes / limit:.1f}x the {args.limit_gib} GiB limit); "
-          f"host cache {args.host_cache_gib} GiB; record {fmt.align_up(3 * 2048 * 512 * 2) / 2**20:.1f} MiB; "
-          f"top-8 of {config['num_experts']} experts x 16 layers", file=sys.stderr)
+          f"host cache {args.host_cache_gib} GiB; "
+          f"record {fmt.align_up(3 * config['hidden_size'] * config['moe_intermediate_size'] * 2) / 2**20:.1f} MiB; "
+          f"top-{config['num_experts_per_tok']} of {config['num_experts']} experts x "
+          f"{config['num_hidden_layers']} layers", file=sys.stderr)
 
     rows = []
     for routing, pack_dir in (("uniform", uniform), ("skewed", skewed)):

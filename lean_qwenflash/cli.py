@@ -29,12 +29,10 @@ def cmd_inspect(args) -> int:
         print(f"I/O engine:   {store.engine.kind if store.engine else '-'}"
               f"{' (' + store.engine.fallback_reason.strip() + ')' if store.engine and store.engine.fallback_reason else ''}")
         if args.verify_all:
-            from .io_engine import AlignedBuffer
             import time
             t0 = time.perf_counter()
             for rec in m.layers:
-                buf = AlignedBuffer(rec.record_bytes * rec.num_experts)
-                store.read([(rec.layer_idx, e, buf, e * rec.record_bytes) for e in range(rec.num_experts)])
+                store.read_layer(rec.layer_idx)   # read (checked unless --no-verify), not kept
             dt = time.perf_counter() - t0
             print(f"verified:     all {m.num_records} records match their checksums "
                   f"({format_size(int(m.experts_bytes / max(dt, 1e-9)))}/s)")
@@ -276,15 +274,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "generate" and (args.prompt is None) == (args.prompt_ids is None):
         parser.error("generate needs exactly one of --prompt or --prompt-ids")
-    from .config import ConfigError
-    from .store.format import StoreError
-    from .store.checkpoint import CheckpointError
-    from .store.naming import UnsupportedArchitecture
     from .io_engine import IoError
     try:
         return args.func(args)
-    except (StoreError, CheckpointError, UnsupportedArchitecture, ConfigError, FileExistsError, IoError,
-            ValueError) as e:
+    # ValueError covers our own errors too: StoreError, CheckpointError, UnsupportedArchitecture and
+    # ConfigError all subclass it.
+    except (FileExistsError, IoError, ValueError) as e:
         print(f"lean-qwenflash {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

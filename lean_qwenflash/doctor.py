@@ -65,13 +65,15 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
         disabled = None
     out(f"liburing:      {'compiled in' if io_engine.uring_compiled() else 'NOT compiled in (install liburing-dev, reinstall)'}")
 
-    store = None
     if pack:
         from .store import ExpertStore
-        store = ExpertStore.open(pack, verify_checksums=False)
+        # Opened once (validates the pack): the probe block size and the cache-size inputs below.
+        with ExpertStore.open(pack, verify_checksums=False) as st:
+            experts = st.manifest.experts_bytes
+            slot = st.max_record_bytes
+            top_k = int(st.config.get("num_experts_per_tok", 1))
         target = Path(pack) / "experts.bin"
-        block = store.max_record_bytes
-        store.close()
+        block = slot
     else:
         target = None
         block = 4 * MiB
@@ -133,12 +135,7 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
         out(f"CUDA:          not available (torch {torch.__version__}); CPU-only: the host cache is the compute tier")
 
     if pack:
-        from .store import ExpertStore
-        with ExpertStore.open(pack, verify_checksums=False) as st:
-            experts = st.manifest.experts_bytes
-            resident = (Path(pack) / "resident.safetensors").stat().st_size
-            slot = st.max_record_bytes
-        top_k = int(st.config.get("num_experts_per_tok", 1))
+        resident = (Path(pack) / "resident.safetensors").stat().st_size
         out(f"pack:          {pack}: {format_size(experts)} of experts ({format_size(slot)} records), "
             f"{format_size(resident)} resident")
         margin = 2 * 1024**3
