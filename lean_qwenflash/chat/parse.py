@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -76,8 +76,9 @@ def parse_tool_call(raw: str) -> ToolCall | InvalidToolCall:
     return ToolCall(name, args)
 
 
-def _held_prefix(buf: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest tail of ``buf`` that is a proper prefix of one of ``tags``."""
+def held_prefix(buf: str, tags: Sequence[str]) -> int:
+    """Length of the longest tail of ``buf`` that is a proper prefix of one of ``tags``: text that
+    may still grow into a tag, so a streaming reader holds it back."""
     best = 0
     for tag in tags:
         for n in range(min(len(tag) - 1, len(buf)), best, -1):
@@ -143,7 +144,7 @@ class StreamParser:
                     self._buf = self._buf[i + len(tag):]
                     self._state = "reasoning" if tag == THINK_OPEN else "tool"
                     continue
-                keep = _held_prefix(self._buf, (THINK_OPEN, TOOL_OPEN))
+                keep = held_prefix(self._buf, (THINK_OPEN, TOOL_OPEN))
                 self._content.feed(self._buf[:len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out
@@ -155,7 +156,7 @@ class StreamParser:
                     self._buf = self._buf[i + len(THINK_CLOSE):]
                     self._state = "content"
                     continue
-                keep = _held_prefix(self._buf, (THINK_CLOSE,))
+                keep = held_prefix(self._buf, (THINK_CLOSE,))
                 self._reasoning.feed(self._buf[:len(self._buf) - keep], out)
                 self._buf = self._buf[len(self._buf) - keep:]
                 return out

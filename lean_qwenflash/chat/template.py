@@ -165,7 +165,5 @@ class ChatTemplate:
             context["enable_thinking"] = enable_thinking
         try:
             return self._template.render(**context)
-        except TemplateError:
-            raise
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from exc

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 
+from .parse import held_prefix
 from .template import ChatTemplate
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -190,13 +191,7 @@ class StopStringMatcher:
         if which is not None:
             self.stopped, self.matched, self._held = True, which, ""
             return buf[:first]
-        keep = 0
-        for s in self.stop_strings:
-            # Longest tail of buf that is a proper prefix of s: it may still grow into s.
-            for n in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:n]):
-                    keep = n
-                    break
+        keep = held_prefix(buf, self.stop_strings)
         self._held = buf[len(buf) - keep:] if keep else ""
         return buf[:len(buf) - keep]
 

@@ -62,15 +62,14 @@ class _Guard:
             await send(message)
 
         try:
+            headers = dict(scope.get("headers") or [])
             if self.api_key and path not in _OPEN_PATHS:
-                headers = dict(scope.get("headers") or [])
                 auth = headers.get(b"authorization", b"").decode("latin-1")
                 given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
                 if not hmac.compare_digest(given.encode(), self.api_key.encode()):
                     err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                     return await _error_response(err)(scope, receive, counting_send)
-            headers = dict(scope.get("headers") or [])
             declared = headers.get(b"content-length")
             too_big = ApiError(413, f"request body larger than server.max_request_bytes={self.max_request_bytes}",
                                code="request_too_large")
@@ -125,7 +124,6 @@ class _Server:
     """What the routes share: the runtime's tokenizer, the engine, metrics and limits."""
 
     def __init__(self, runtime, model_name: str, cfg):
-        self.runtime = runtime
         self.cfg = cfg
         self.tokenizer = runtime.tokenizer
         if self.tokenizer is None:
@@ -141,6 +139,8 @@ class _Server:
         tok = self.tokenizer
         self.think_open_id = tok.token_to_id("<think>")
         self.think_close_id = tok.token_to_id("</think>")
+        self.think_close_ids = tok.encode("\n</think>\n\n")
+        self.tool_open_ids = tok.encode("<tool_call>")
         self.created = int(time.time())
 
     # -- request -> job -------------------------------------------------------------------------
@@ -180,35 +180,28 @@ class _Server:
             tools = [t for t in tools if t["function"]["name"] == choice.function.name]
             after_think = tok.encode('<tool_call>{"name": ' + json.dumps(choice.function.name) + ', "arguments": ')
         elif choice == "required":
-            after_think = tok.encode("<tool_call>")
+            after_think = self.tool_open_ids
         effort = req.reasoning_effort or self.cfg.server.default_reasoning_effort
         budget = REASONING_BUDGETS[effort]
         thinking = effort != "none"
+        messages, tools = template_messages(req), tools or None
         try:
-            text = tok.apply_chat_template(template_messages(req), tools=tools or None, add_generation_prompt=True,
-                                           enable_thinking=thinking, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)
         except TemplateError as e:
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
-        # Turn boundaries a later request will likely share (see engine.py, prefix reuse).
-        marks = []
+        # Turn boundaries a later request will likely share (see engine.py, prefix reuse): the end of
+        # the conversation so far, and the bare assistant header (thinking on adds no empty think
+        # block), which is where later turns re-render this answer from.
         try:
-            for gen_prompt in (False, True):
-                if gen_prompt and not thinking:
-                    marks.append(tok.apply_chat_template(template_messages(req), tools=tools or None,
-                                                         add_generation_prompt=True, enable_thinking=True))
-                elif not gen_prompt:
-                    marks.append(tok.apply_chat_template(template_messages(req), tools=tools or None,
-                                                         add_generation_prompt=False))
+            marks = [tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False),
+                     text if thinking else tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                                   enable_thinking=True)]
         except TemplateError:
-            marks = []
-        if thinking:
-            marks.append(text)
-        in_think = False
-        if thinking:
-            # Thinking on: the answer starts inside <think> (unless the template already opened it).
-            in_think = True
-            if not text.rstrip().endswith("<think>"):
-                text += "<think>\n"
+            # These extra renders are only an optimisation: a template refusing one costs no request.
+            marks = [text] if thinking else []
+        if thinking and not text.rstrip().endswith("<think>"):
+            # The answer starts inside <think> (unless the template already opened it).
+            text += "<think>\n"
         prompt = tok.encode(text)
         checkpoints = []
         for mark_text in marks:
@@ -218,9 +211,9 @@ class _Server:
         max_new = self.max_new_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
         steering = None
         if self.think_close_id is not None or after_think:
-            steering = Steering(self.think_open_id, self.think_close_id, tok.encode("\n</think>\n\n"),
-                                budget if thinking else None, in_think, after_think)
-        output = ChatOutput(tok, stop_strings(req), in_reasoning=in_think, parse_tools=choice != "none")
+            steering = Steering(self.think_open_id, self.think_close_id, self.think_close_ids,
+                                budget if thinking else None, thinking, after_think)
+        output = ChatOutput(tok, stop_strings(req), in_reasoning=thinking, parse_tools=choice != "none")
         return Job(prompt, self.sampling(req), max_new, self.stop_ids, output, steering, checkpoints=checkpoints)
 
     def completion_job(self, req: CompletionRequest) -> Job:
@@ -340,7 +333,7 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
             return Response(status_code=499)
         return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
                 "choices": [{"index": 0, "message": message.to_dict(), "logprobs": None,
-                             "finish_reason": finish_reason(_reason(payload), message)}],
+                             "finish_reason": finish_reason(payload["finish_reason"], message)}],
                 "usage": _usage(payload)}
 
     @app.post("/v1/completions")
@@ -361,7 +354,8 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
             return Response(status_code=499)
         text = "".join(pieces)
         return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": _reason(payload)}],
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": finish_reason(payload["finish_reason"])}],
                 "usage": _usage(payload)}
 
     return app
@@ -387,16 +381,12 @@ async def _collect(srv: _Server, job: Job, request: Request, on_deltas) -> Optio
     return payload
 
 
-def _reason(info: dict) -> str:
-    r = info.get("finish_reason", "stop")
-    return "stop" if r == "cancelled" else r
-
-
 async def _chat_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
                        include_usage: bool) -> AsyncIterator[str]:
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name}
+
     def chunk(delta: dict, reason=None) -> str:
-        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+        return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
 
     message = ChatMessage()
     try:
@@ -412,10 +402,9 @@ async def _chat_stream(srv: _Server, job: Job, request: Request, rid: str, creat
                 yield _sse(ApiError(500, payload, code="generation_failed").body())
                 break
             else:
-                yield chunk({}, finish_reason(_reason(payload), message))
+                yield chunk({}, finish_reason(payload["finish_reason"], message))
                 if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": srv.model_name, "choices": [], "usage": _usage(payload)})
+                    yield _sse({**head, "choices": [], "usage": _usage(payload)})
                 srv.finished(job)
                 break
         yield "data: [DONE]\n\n"
@@ -427,9 +416,10 @@ async def _chat_stream(srv: _Server, job: Job, request: Request, rid: str, creat
 
 async def _completion_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
                              include_usage: bool) -> AsyncIterator[str]:
+    head = {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name}
+
     def chunk(text: str, reason=None) -> str:
-        return _sse({"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
-                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]})
+        return _sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]})
 
     try:
         while True:
@@ -442,10 +432,9 @@ async def _completion_stream(srv: _Server, job: Job, request: Request, rid: str,
                 yield _sse(ApiError(500, payload, code="generation_failed").body())
                 break
             else:
-                yield chunk("", _reason(payload))
+                yield chunk("", finish_reason(payload["finish_reason"]))
                 if include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created,
-                                "model": srv.model_name, "choices": [], "usage": _usage(payload)})
+                    yield _sse({**head, "choices": [], "usage": _usage(payload)})
                 srv.finished(job)
                 break
         yield "data: [DONE]\n\n"

@@ -39,15 +39,13 @@ class QueueFull(Exception):
 class PrefixCache:
     """LRU of ``ModelState`` snapshots keyed by the token ids they hold, bounded in bytes.
 
-    Thread-safety: used only by the engine's worker thread (``stats`` reads plain ints).
+    Thread-safety: used only by the engine's worker thread.
     """
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
         self._entries: collections.OrderedDict[tuple, tuple[ModelState, int]] = collections.OrderedDict()
         self.used_bytes = 0
-        self.hits = 0
-        self.misses = 0
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -61,18 +59,18 @@ class PrefixCache:
             if len(key) < n and (best is None or len(key) > len(best)) and tuple(token_ids[:len(key)]) == key:
                 best = key
         if best is None:
-            self.misses += 1
             return None
-        self.hits += 1
         self._entries.move_to_end(best)
         return self._entries[best][0].clone()
 
-    def put(self, token_ids: Sequence[int], state: ModelState) -> None:
-        """Keep a copy of ``state``, which holds exactly ``token_ids``."""
+    def put(self, token_ids: Sequence[int], state: ModelState, copy: bool = True) -> None:
+        """Keep a copy of ``state``, which holds exactly ``token_ids``; ``copy=False`` keeps ``state``
+        itself, for a caller that will not touch it again."""
         key = tuple(token_ids)
-        if not key or key in self._entries:
-            if key in self._entries:
-                self._entries.move_to_end(key)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        if not key:
             return
         nbytes = state.nbytes() + 8 * len(key)
         if nbytes > self.capacity_bytes:
@@ -81,7 +79,7 @@ class PrefixCache:
             _, (_, old) = self._entries.popitem(last=False)
             self.used_bytes -= old
             self.evictions += 1
-        self._entries[key] = (state.clone(), nbytes)
+        self._entries[key] = (state.clone() if copy else state, nbytes)
         self.used_bytes += nbytes
 
 
@@ -157,13 +155,13 @@ class Job:
 class Engine:
     """Owns the model: one worker thread runs queued jobs in order."""
 
-    def __init__(self, model, prefill_chunk_tokens: int, max_queue: int, prefix_cache_bytes: int,
-                 metrics=None, block_tokens: int = 64):
+    block_tokens = 64
+
+    def __init__(self, model, prefill_chunk_tokens: int, max_queue: int, prefix_cache_bytes: int, metrics):
         self.generator = Generator(model, prefill_chunk_tokens)
         self.max_queue = max_queue
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.metrics = metrics
-        self.block_tokens = block_tokens
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -202,9 +200,8 @@ class Engine:
         self._thread.join(timeout_s)
 
     def _set_gauges(self) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_depth.set(len(self._queue))
-            self.metrics.running.set(1 if self.running is not None else 0)
+        self.metrics.queue_depth.set(len(self._queue))
+        self.metrics.running.set(1 if self.running is not None else 0)
 
     def _worker(self) -> None:
         while True:
@@ -218,7 +215,7 @@ class Engine:
                 self._set_gauges()
             try:
                 if job.cancelled.is_set():
-                    self._count_cancel()
+                    self.metrics.cancelled.inc()
                     job.emit("done", {"finish_reason": "cancelled"})
                 else:
                     self._run(job)
@@ -229,10 +226,6 @@ class Engine:
                 with self._cond:
                     self.running = None
                     self._set_gauges()
-
-    def _count_cancel(self) -> None:
-        if self.metrics is not None:
-            self.metrics.cancelled.inc()
 
     # -- one generation -------------------------------------------------------------------------
 
@@ -253,11 +246,10 @@ class Engine:
             if use_cache and mark < len(prompt):
                 self.prefix_cache.put(prompt[:mark], state)
         t_prefill = time.perf_counter()
-        if m is not None:
-            m.prefill_computed.inc(len(prompt) - cached)
-            m.prefill_reused.inc(cached)
-            m.prompt_tokens.inc(len(prompt))
-            m.prefill_seconds.inc(t_prefill - t_start)
+        m.prefill_computed.inc(len(prompt) - cached)
+        m.prefill_reused.inc(cached)
+        m.prompt_tokens.inc(len(prompt))
+        m.prefill_seconds.inc(t_prefill - t_start)
         if use_cache:
             self.prefix_cache.put(prompt, state)
 
@@ -282,8 +274,7 @@ class Engine:
             t_last = time.perf_counter()
             if t_first is None:
                 t_first = t_last
-                if m is not None:
-                    m.ttft.observe(t_first - job.submitted_s)
+                m.ttft.observe(t_first - job.submitted_s)
             sampler.observe(token)
             if steer is not None:
                 steer.observe(token)
@@ -303,20 +294,11 @@ class Engine:
         tail = job.output.finish()
         if tail:
             job.emit("delta", tail)
-        if use_cache:
-            if boundary is not None:
-                self.prefix_cache.put(*boundary)
-            self.prefix_cache.put(seq, state)
         t_end = time.perf_counter()
-        if m is not None:
-            m.generation_tokens.inc(n_out)
-            if t_first is not None and t_last > t_first:
-                m.decode_seconds.inc(t_last - t_first)
-                m.decode_tokens.inc(n_out - 1)
-            m.prefix_cache_bytes.set(self.prefix_cache.used_bytes)
-            m.prefix_cache_entries.set(len(self.prefix_cache))
-            if reason == "cancelled":
-                m.cancelled.inc()
+        m.generation_tokens.inc(n_out)
+        if t_first is not None and t_last > t_first:
+            m.decode_seconds.inc(t_last - t_first)
+            m.decode_tokens.inc(n_out - 1)
         reasoning = steer.think_tokens if steer is not None else 0
         job.emit("done", {
             "finish_reason": reason, "prompt_tokens": len(prompt), "completion_tokens": n_out,
@@ -325,3 +307,14 @@ class Engine:
             "queue_s": t_start - job.submitted_s, "prefill_s": t_prefill - t_start,
             "decode_s": (t_last - t_first) if t_first is not None else 0.0, "total_s": t_end - job.submitted_s,
         })
+        # Storing these after "done" keeps them off the client's latency; the worker takes the next
+        # job only after this returns, so that job's lookup already sees them. Neither snapshot is
+        # used here again, so the cache takes them without a copy.
+        if use_cache:
+            if boundary is not None:
+                self.prefix_cache.put(*boundary, copy=False)
+            self.prefix_cache.put(seq, state, copy=False)
+        m.prefix_cache_bytes.set(self.prefix_cache.used_bytes)
+        m.prefix_cache_entries.set(len(self.prefix_cache))
+        if reason == "cancelled":
+            m.cancelled.inc()

@@ -36,13 +36,14 @@ class TextOutput:
         return self.stop.stopped
 
     def push(self, token_id: int) -> list[dict]:
-        return self._wrap(self.stop.push(self.decoder.push(token_id)))
+        return self._deltas(self.stop.push(self.decoder.push(token_id)), last=False)
 
     def finish(self) -> list[dict]:
         tail = self.stop.push(self.decoder.finish()) if not self.stop.stopped else ""
-        return self._wrap(tail + self.stop.finish())
+        return self._deltas(tail + self.stop.finish(), last=True)
 
-    def _wrap(self, text: str) -> list[dict]:
+    def _deltas(self, text: str, last: bool) -> list[dict]:
+        """Text that passed the stop strings -> deltas; ``last``: the generation ended."""
         return [{"text": text}] if text else []
 
 
@@ -60,14 +61,9 @@ class ChatOutput(TextOutput):
         self.parse_tools = parse_tools
         self.num_tool_calls = 0
 
-    def push(self, token_id: int) -> list[dict]:
-        text = self.stop.push(self.decoder.push(token_id))
-        return self.events(self.parser.push(text)) if text else []
-
-    def finish(self) -> list[dict]:
-        tail = self.stop.push(self.decoder.finish()) if not self.stop.stopped else ""
-        tail += self.stop.finish()
-        return self.events(self.parser.push(tail) + self.parser.finish())
+    def _deltas(self, text: str, last: bool) -> list[dict]:
+        events = self.parser.push(text) if text else []
+        return self.events(events + self.parser.finish() if last else events)
 
     def events(self, events: list[ParseEvent]) -> list[dict]:
         out: list[dict] = []
@@ -137,6 +133,8 @@ class ChatMessage:
 
 def finish_reason(engine_reason: str, message: Optional[ChatMessage] = None) -> str:
     """OpenAI's finish_reason: "tool_calls" when the answer holds calls and ended naturally."""
+    if engine_reason == "cancelled":    # e.g. server shutdown under a live client: not an OpenAI reason
+        engine_reason = "stop"
     if message is not None and message.tool_calls and engine_reason == "stop":
         return "tool_calls"
     return engine_reason

@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lean_qwenflash.config import REASONING_EFFORTS
+
 # reasoning_effort -> thinking-token budget (None: thinking off). When the budget runs out the
 # engine forces "</think>" and the answer follows; reasoning tokens count toward max_tokens.
 REASONING_BUDGETS: dict[str, Optional[int]] = {
@@ -19,7 +21,10 @@ REASONING_BUDGETS: dict[str, Optional[int]] = {
     "high": 4096,
     "xhigh": 16384,
 }
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# config.py checks server.default_reasoning_effort against REASONING_EFFORTS and chat_job looks
+# its budget up here: one list of names for both.
+assert tuple(REASONING_BUDGETS) == REASONING_EFFORTS
+ReasoningEffort = Literal[REASONING_EFFORTS]
 
 
 class ApiError(Exception):
@@ -156,7 +161,7 @@ def check_unsupported(req: _Sampling) -> None:
         raise ApiError(400, f"n={req.n} is not supported: this server generates one choice per request", "n")
     if req.logprobs not in (None, False, 0):
         raise ApiError(400, "logprobs are not supported by this server", "logprobs")
-    stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    stops = stop_strings(req)
     if len(stops) > 16:
         raise ApiError(400, f"stop: at most 16 stop strings, got {len(stops)}", "stop")
     if isinstance(req, ChatCompletionRequest):
