@@ -81,7 +81,7 @@ def build_pack(out: Path, config: dict, seed: int = 0) -> None:
     hidden, inter, num_experts = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
     layers, offset = [], 0
     for i in range(config["num_hidden_layers"]):
-        rec = fmt.layout_layer(i, num_experts, hidden, inter, "bfloat16", offset, i * num_experts)
+        rec = fmt.layout_layer(i, num_experts, hidden, inter, "bf16", offset, i * num_experts)
         layers.append(rec)
         offset += rec.num_experts * rec.record_bytes
     crcs = []

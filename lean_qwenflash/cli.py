@@ -24,7 +24,7 @@ def cmd_inspect(args) -> int:
         print(f"experts:      {m.num_records} records in {len(m.layers)} layers, {format_size(m.experts_bytes)}")
         if m.layers:
             l0 = m.layers[0]
-            shapes = ", ".join(f"{t.name} {list(t.shape)} {t.dtype}" for t in l0.tensors)
+            shapes = ", ".join(f"{t.name} {list(t.shape)} {t.encoding}" for t in l0.tensors)
             print(f"record:       {format_size(l0.record_bytes)} ({shapes})")
         print(f"I/O engine:   {store.engine.kind if store.engine else '-'}"
               f"{' (' + store.engine.fallback_reason.strip() + ')' if store.engine and store.engine.fallback_reason else ''}")

@@ -16,6 +16,7 @@ from .experts.tiered import TieredExperts
 from .store import ExpertStore
 from .store import naming
 from .store.checkpoint import TORCH_DTYPES
+from .quant.floats import DTYPE_NAME
 
 if TYPE_CHECKING:  # imported lazily at run time (the generation package imports this module's users)
     from .generate.sampling import SamplingParams
@@ -86,7 +87,10 @@ class Runtime:
         store = ExpertStore.open(cfg.model, engine=cfg.io_engine, queue_depth=cfg.io_queue_depth,
                                  verify_checksums=cfg.verify_checksums)
         config = store.config
-        expert_dtypes = {t.dtype for l in store.manifest.layers for t in l.tensors}
+        # Float records are used as stored (no per-call conversion), so they must be the compute
+        # dtype; block-quantized records are dequantized to it.
+        expert_dtypes = {DTYPE_NAME[t.encoding] for l in store.manifest.layers for t in l.tensors
+                         if t.encoding in DTYPE_NAME}
         dtype = TORCH_DTYPES[cfg.dtype]
         if expert_dtypes and expert_dtypes != {cfg.dtype}:
             raise ConfigError(f"dtype: the pack's experts are {', '.join(sorted(expert_dtypes))} but dtype is "

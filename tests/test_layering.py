@@ -10,6 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "lean_qwenflash"
 
 # package area -> areas it must not import (anywhere in the file, lazy imports included)
 FORBIDDEN = {
+    "quant": {"io_engine", "store", "experts", "models", "generate", "runtime", "server", "cli", "chat", "config"},
     "io_engine": {"store", "experts", "models", "generate", "runtime", "server", "cli", "chat", "config"},
     "store": {"models", "generate", "runtime", "server", "cli", "chat", "experts.tiered", "experts.cache"},
     "experts": {"models", "generate", "runtime", "server", "cli", "chat"},

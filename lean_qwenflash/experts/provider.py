@@ -7,39 +7,59 @@ so they cannot be evicted mid-compute).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Sequence, Union
 
 import torch
 
+from ..quant import QuantTensor
+
+# A projection as a provider serves it: a float tensor (f32/f16/bf16 records), or the raw rows of a
+# block-quantized matrix. Providers never look inside; kernels.expert_mlp dispatches on it.
+Weight = Union[torch.Tensor, QuantTensor]
+
 
 class ExpertWeights(NamedTuple):
-    gate_up: torch.Tensor   # [2I, H]: gate rows then up rows
-    down: torch.Tensor      # [H, I]
+    gate_up: Weight   # [2I, H]: gate rows then up rows
+    down: Weight      # [H, I]
 
 
 RECORD_ALIGNMENT_BYTES = 4096
 
 
-def aligned_record(gate_up: torch.Tensor, down: torch.Tensor,
-                   alignment_bytes: int = RECORD_ALIGNMENT_BYTES) -> ExpertWeights:
+def _raw(w: Weight) -> torch.Tensor:
+    return (w.raw if isinstance(w, QuantTensor) else w.contiguous()).reshape(-1).view(torch.uint8)
+
+
+def _like(w: Weight, raw: torch.Tensor) -> Weight:
+    if isinstance(w, QuantTensor):
+        return QuantTensor(raw.view(w.shape[0], -1), w.encoding, w.shape)
+    return raw.view(w.dtype).view(w.shape)
+
+
+def aligned_record(gate_up: Weight, down: Weight, alignment_bytes: int = RECORD_ALIGNMENT_BYTES,
+                   down_offset: int = 0) -> ExpertWeights:
     """Copy one expert into a fresh ``alignment_bytes``-aligned buffer laid out like a store record:
-    ``gate_up`` at the start, ``down`` right after it.
+    ``gate_up`` at the start, ``down`` at ``down_offset`` (default: right after it).
 
     BLAS kernels pick code paths by pointer alignment, so the same weights at different alignments
     can give different low-order bits. Keeping resident experts in record layout makes them
     bit-identical to a streaming provider that returns views into aligned slots.
     """
-    dtype, device = gate_up.dtype, gate_up.device
-    elt = gate_up.element_size()
-    num_bytes = (gate_up.numel() + down.numel()) * elt
-    raw = torch.empty(num_bytes + alignment_bytes, dtype=torch.uint8, device=device)
+    gu, dn = _raw(gate_up), _raw(down)
+    down_offset = down_offset or gu.numel()
+    num_bytes = down_offset + dn.numel()
+    raw = torch.empty(num_bytes + alignment_bytes, dtype=torch.uint8, device=gu.device)
     start = (-raw.data_ptr()) % alignment_bytes
-    flat = raw[start:start + num_bytes].view(dtype)
-    out_gate_up = flat[:gate_up.numel()].view(gate_up.shape)
-    out_down = flat[gate_up.numel():].view(down.shape)
-    out_gate_up.copy_(gate_up)
-    out_down.copy_(down)
-    return ExpertWeights(out_gate_up, out_down)
+    flat = raw[start:start + num_bytes]
+    flat[:gu.numel()].copy_(gu)
+    flat[down_offset:].copy_(dn)
+    return ExpertWeights(_like(gate_up, flat[:gu.numel()]), _like(down, flat[down_offset:]))
+
+
+def _moved(w: Weight, device, dtype) -> Weight:
+    if isinstance(w, QuantTensor):   # quantized bytes move as they are; dtype is the compute dtype
+        return QuantTensor(w.raw.to(device=device), w.encoding, w.shape)
+    return w.to(device=device, dtype=dtype)
 
 
 class ExpertProvider:
@@ -70,8 +90,7 @@ class ResidentExperts(ExpertProvider):
 
     def to(self, device=None, dtype=None) -> "ResidentExperts":
         return ResidentExperts({
-            layer: [aligned_record(w.gate_up.to(device=device, dtype=dtype),
-                                   w.down.to(device=device, dtype=dtype)) for w in ws]
+            layer: [aligned_record(_moved(w.gate_up, device, dtype), _moved(w.down, device, dtype)) for w in ws]
             for layer, ws in self.layers.items()
         })
 

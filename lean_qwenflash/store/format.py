@@ -1,4 +1,4 @@
-"""Pack format v1: the manifest, the record table and the checksum index. Pure: no file I/O.
+"""Pack format v2: the manifest, the record table and the checksum index. Pure: no file I/O.
 
 A pack directory holds
 
@@ -9,16 +9,25 @@ A pack directory holds
                              of 4096 so a record is one O_DIRECT read
 * ``experts.idx``          – ``IDX_MAGIC``, u32 version, u32 count, then one u32 CRC-32C per
                              record (padding included), records in manifest layer order
+
+Every tensor carries an ``encoding`` (see :mod:`lean_qwenflash.quant`: f32, f16, bf16, q8_0, q4_0,
+q4_k, q5_k, q6_k) and its stored ``nbytes``; a record may mix encodings. Version 1 packs (float
+records described by a torch ``dtype``) are still read: they parse into the same structures.
 """
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
 
+from ..quant import ENCODINGS, get_encoding
+from ..quant.floats import BY_DTYPE_NAME
+
 FORMAT_MAGIC = "lean-qwenflash-pack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)      # v1: float records described by "dtype"; read as the same structures
 ALIGNMENT = 4096
 IDX_MAGIC = b"LQFIDX\x00\x01"
+IDX_VERSION = 1
 IDX_HEADER = struct.Struct("<8sII")
 
 MANIFEST = "manifest.json"
@@ -30,7 +39,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model",
 )
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 REPACK_HINT = "re-pack the checkpoint with `lean-qwenflash pack HF_DIR OUT_DIR`"
 
 
@@ -47,16 +55,17 @@ class TensorSlot:
     """One projection inside a record."""
 
     name: str          # "gate_up" [2I, H] or "down" [H, I]
-    shape: tuple
-    dtype: str
+    shape: tuple       # logical shape (values, not bytes)
+    encoding: str      # a name in lean_qwenflash.quant.ENCODINGS
     offset: int        # bytes from the record start
 
     @property
     def nbytes(self) -> int:
-        n = DTYPE_BYTES[self.dtype]
-        for d in self.shape:
-            n *= d
-        return n
+        return get_encoding(self.encoding).nbytes(self.shape)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "encoding": self.encoding,
+                "nbytes": self.nbytes, "offset": self.offset}
 
 
 @dataclass(frozen=True)
@@ -75,18 +84,38 @@ class LayerRecords:
         return {
             "layer_idx": self.layer_idx, "num_experts": self.num_experts,
             "base_offset": self.base_offset, "record_bytes": self.record_bytes,
-            "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "offset": t.offset}
-                        for t in self.tensors],
+            "tensors": [t.to_json() for t in self.tensors],
         }
 
 
-def layout_layer(layer_idx: int, num_experts: int, hidden: int, intermediate: int, dtype: str,
+# Block rows start on this boundary inside a record (the native kernels load 32 bytes at a time
+# from any address, so this is for tidiness of the layout, not correctness).
+TENSOR_ALIGNMENT = 64
+
+
+def layout_layer(layer_idx: int, num_experts: int, hidden: int, intermediate: int, encoding,
                  base_offset: int, first_record: int) -> LayerRecords:
-    """Record layout of one MoE layer: gate_up [2I, H] then down [H, I], padded to 4096."""
-    gate_up = TensorSlot("gate_up", (2 * intermediate, hidden), dtype, 0)
-    down = TensorSlot("down", (hidden, intermediate), dtype, gate_up.nbytes)
-    return LayerRecords(layer_idx, num_experts, base_offset, align_up(gate_up.nbytes + down.nbytes),
+    """Record layout of one MoE layer: gate_up [2I, H] then down [H, I], padded to 4096.
+    ``encoding`` is one encoding name for both, or ``{"gate_up": .., "down": ..}``."""
+    enc = encoding if isinstance(encoding, dict) else {"gate_up": encoding, "down": encoding}
+    gate_up = TensorSlot("gate_up", (2 * intermediate, hidden), enc["gate_up"], 0)
+    down_at = -(-gate_up.nbytes // TENSOR_ALIGNMENT) * TENSOR_ALIGNMENT
+    down = TensorSlot("down", (hidden, intermediate), enc["down"], down_at)
+    return LayerRecords(layer_idx, num_experts, base_offset, align_up(down.offset + down.nbytes),
                         (gate_up, down), first_record)
+
+
+@dataclass(frozen=True)
+class ResidentTensor:
+    """One tensor of resident.safetensors as the manifest describes it."""
+
+    name: str
+    shape: tuple
+    encoding: str
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "encoding": self.encoding, "nbytes": self.nbytes}
 
 
 @dataclass
@@ -98,6 +127,18 @@ class Manifest:
     experts_bytes: int
     tokenizer_files: list = field(default_factory=list)
     created_by: str = ""
+    resident: list = field(default_factory=list)     # of ResidentTensor (empty for v1 packs)
+    notes: list = field(default_factory=list)        # what the packer decided (fallback encodings, ...)
+    version: int = FORMAT_VERSION
+
+    def encodings(self) -> dict:
+        """{tensor name: {encoding: bytes in the pack}} over every record (all experts)."""
+        out: dict = {}
+        for l in self.layers:
+            for t in l.tensors:
+                per = out.setdefault(t.name, {})
+                per[t.encoding] = per.get(t.encoding, 0) + t.nbytes * l.num_experts
+        return out
 
     @property
     def num_records(self) -> int:
@@ -110,6 +151,7 @@ class Manifest:
             "experts_file": EXPERTS, "experts_bytes": self.experts_bytes,
             "checksum": {"algorithm": "crc32c", "file": EXPERTS_IDX},
             "resident_file": RESIDENT, "tokenizer_files": self.tokenizer_files,
+            "resident": [t.to_json() for t in self.resident], "notes": self.notes,
             "layers": [l.to_json() for l in self.layers],
             "config": self.config,
         }
@@ -129,22 +171,19 @@ def parse_manifest(doc, where: str) -> Manifest:
     if version > FORMAT_VERSION:
         raise StoreError(f"{where}: pack format version {version} is newer than this lean-qwenflash "
                          f"understands (up to {FORMAT_VERSION}); upgrade lean-qwenflash or {REPACK_HINT}")
-    if version < FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise bad(f"pack format version {version} is no longer supported (current: {FORMAT_VERSION})")
     if doc.get("alignment") != ALIGNMENT:
         raise bad(f"alignment {doc.get('alignment')!r} is not {ALIGNMENT}")
     try:
         layers, first, end = [], 0, 0
         for l in doc["layers"]:
-            tensors = tuple(TensorSlot(t["name"], tuple(int(d) for d in t["shape"]), t["dtype"], int(t["offset"]))
-                            for t in l["tensors"])
+            tensors = tuple(_parse_slot(t, version, l.get("layer_idx"), bad) for t in l["tensors"])
             rec = LayerRecords(int(l["layer_idx"]), int(l["num_experts"]), int(l["base_offset"]),
                                int(l["record_bytes"]), tensors, first)
             layers.append(rec)
             first += rec.num_experts
             for t in tensors:
-                if t.dtype not in DTYPE_BYTES:
-                    raise bad(f"layer {rec.layer_idx} tensor {t.name} has unknown dtype {t.dtype!r}")
                 if t.offset < 0 or t.offset + t.nbytes > rec.record_bytes:
                     raise bad(f"layer {rec.layer_idx} tensor {t.name} does not fit in its {rec.record_bytes}-byte record")
             if rec.base_offset % ALIGNMENT or rec.record_bytes % ALIGNMENT or rec.record_bytes <= 0:
@@ -156,6 +195,9 @@ def parse_manifest(doc, where: str) -> Manifest:
             architecture=str(doc["architecture"]), family=str(doc["family"]), config=dict(doc["config"]),
             layers=layers, experts_bytes=int(doc["experts_bytes"]),
             tokenizer_files=list(doc.get("tokenizer_files", [])), created_by=str(doc.get("created_by", "")),
+            resident=[ResidentTensor(str(t["name"]), tuple(int(d) for d in t["shape"]), str(t["encoding"]),
+                                     int(t["nbytes"])) for t in doc.get("resident", [])],
+            notes=[str(n) for n in doc.get("notes", [])], version=version,
         )
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, StoreError):
@@ -168,16 +210,37 @@ def parse_manifest(doc, where: str) -> Manifest:
     return manifest
 
 
+def _parse_slot(t: dict, version: int, layer_idx, bad) -> TensorSlot:
+    shape = tuple(int(d) for d in t["shape"])
+    if version == 1:
+        if t["dtype"] not in BY_DTYPE_NAME:
+            raise bad(f"layer {layer_idx} tensor {t['name']} has unknown dtype {t['dtype']!r}")
+        return TensorSlot(t["name"], shape, BY_DTYPE_NAME[t["dtype"]], int(t["offset"]))
+    encoding = t["encoding"]
+    if encoding not in ENCODINGS:
+        raise bad(f"layer {layer_idx} tensor {t['name']} has encoding {encoding!r}, which this lean-qwenflash "
+                  f"does not know (known: {', '.join(ENCODINGS)}); upgrade lean-qwenflash")
+    slot = TensorSlot(t["name"], shape, encoding, int(t["offset"]))
+    try:
+        nbytes = slot.nbytes
+    except ValueError as e:
+        raise bad(f"layer {layer_idx} tensor {t['name']}: {e}") from None
+    if int(t["nbytes"]) != nbytes:
+        raise bad(f"layer {layer_idx} tensor {t['name']} says {t['nbytes']} bytes but {encoding} {list(shape)} "
+                  f"takes {nbytes}")
+    return slot
+
+
 def encode_idx(crcs) -> bytes:
-    return IDX_HEADER.pack(IDX_MAGIC, FORMAT_VERSION, len(crcs)) + struct.pack(f"<{len(crcs)}I", *crcs)
+    return IDX_HEADER.pack(IDX_MAGIC, IDX_VERSION, len(crcs)) + struct.pack(f"<{len(crcs)}I", *crcs)
 
 
 def decode_idx(data: bytes, expected_count: int, where: str) -> tuple:
     if len(data) < IDX_HEADER.size:
         raise StoreError(f"{where}: checksum index is truncated; {REPACK_HINT}")
     magic, version, count = IDX_HEADER.unpack_from(data)
-    if magic != IDX_MAGIC or version != FORMAT_VERSION:
-        raise StoreError(f"{where}: not a v{FORMAT_VERSION} checksum index; {REPACK_HINT}")
+    if magic != IDX_MAGIC or version != IDX_VERSION:
+        raise StoreError(f"{where}: not a v{IDX_VERSION} checksum index; {REPACK_HINT}")
     if count != expected_count or len(data) != IDX_HEADER.size + 4 * count:
         raise StoreError(f"{where}: checksum index lists {count} records ({len(data)} bytes) but the manifest "
                          f"has {expected_count}; {REPACK_HINT}")

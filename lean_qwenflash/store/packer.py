@@ -17,6 +17,7 @@ import torch
 from .. import __version__
 from ..io_engine import crc32c
 from . import format as fmt
+from ..quant.floats import BY_DTYPE_NAME
 from .checkpoint import (TORCH_DTYPES, TORCH_NAMES, CheckpointError, HFCheckpoint,
                          StreamingSafetensorsWriter)
 
@@ -63,7 +64,8 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     num_experts, _, hidden, inter = ckpt.expert_dims()
     layers, offset, first = [], 0, 0
     for layer_idx in ckpt.moe_layers():
-        rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, TORCH_NAMES[expert_dtype], offset, first)
+        rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, BY_DTYPE_NAME[TORCH_NAMES[expert_dtype]],
+                               offset, first)
         layers.append(rec)
         offset += rec.num_experts * rec.record_bytes
         first += rec.num_experts
@@ -116,7 +118,10 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
 
     manifest = fmt.Manifest(architecture=ckpt.names.architecture, family=ckpt.names.family, config=ckpt.config,
                             layers=layers, experts_bytes=offset, tokenizer_files=copied,
-                            created_by=f"lean-qwenflash {__version__}")
+                            created_by=f"lean-qwenflash {__version__}",
+                            resident=[fmt.ResidentTensor(canon, tuple(shape), BY_DTYPE_NAME[TORCH_NAMES[dt]],
+                                                         ckpt.nbytes(k))
+                                      for (canon, shape, dt), (_, k) in zip(entries, resident)])
     with open(tmp / fmt.MANIFEST, "w") as fh:
         json.dump(manifest.to_json(), fh, indent=1)
         fh.flush()

@@ -14,7 +14,7 @@ import torch
 
 from ..io_engine import AlignedBuffer, IoError, crc32c, open_engine
 from . import format as fmt
-from .checkpoint import TORCH_DTYPES
+from ..quant import QuantTensor, get_encoding
 
 
 class ChecksumError(fmt.StoreError):
@@ -24,12 +24,21 @@ class ChecksumError(fmt.StoreError):
         self.expert_id = expert_id
 
 
+def tensor_view(t: fmt.TensorSlot, raw: torch.Tensor):
+    """Zero-copy view of one projection of a record: a float tensor of its shape, or a
+    QuantTensor over its raw rows."""
+    enc = get_encoding(t.encoding)
+    data = raw[t.offset:t.offset + t.nbytes]
+    if enc.is_float:
+        return data.view(enc.torch_dtype).view(t.shape)
+    return QuantTensor(data.view(t.shape[0], -1), enc, t.shape)
+
+
 def record_views(rec: fmt.LayerRecords, raw: torch.Tensor):
     """Zero-copy views (gate_up, down) of one record held in ``raw``, a uint8 tensor that starts
     at the record (a buffer, a cache slot, a device row)."""
     from ..experts.provider import ExpertWeights
-    return ExpertWeights(*(raw[t.offset:t.offset + t.nbytes].view(TORCH_DTYPES[t.dtype]).view(t.shape)
-                           for t in rec.tensors))
+    return ExpertWeights(*(tensor_view(t, raw) for t in rec.tensors))
 
 
 class ExpertStore:

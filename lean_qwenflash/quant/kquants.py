@@ -1,0 +1,144 @@
+"""GGUF's 256-value super-block formats ("K-quants"): q4_k, q5_k, q6_k.
+
+    q4_k (144 bytes): f16 d, f16 dmin, u8 scales[12], u8 qs[128]
+        8 sub-blocks of 32; sub-block j has a 6-bit scale sc_j and min m_j packed in ``scales``;
+        value = d*sc_j * q - dmin*m_j with q in 0..15. qs[32c + l] holds q of weight 64c + l
+        (low nibble) and of weight 64c + 32 + l (high nibble).
+    q5_k (176 bytes): f16 d, f16 dmin, u8 scales[12], u8 qh[32], u8 qs[128]
+        as q4_k, q in 0..31; bit j of qh[l] is bit 4 of weight 32j + l's q.
+    q6_k (210 bytes): u8 ql[128], u8 qh[64], int8 scales[16], f16 d
+        16 sub-blocks of 16; value = d*sc_j * (q - 32), q in 0..63 (low 4 bits in ql, high 2 in qh).
+        In half n (weights 128n..128n+127), position p: ql[64n + p % 64] low nibble for p < 64, high
+        nibble for p >= 64; qh[32n + p % 32] bits 2*(p // 32)..+1.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Encoding
+from .legacy import F16_MAX, f16_bytes, f16_field, safe_inverse
+
+QK = 256
+
+
+def unpack_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scales [N, 12] -> (sc, m) each [N, 8] as int64 (6 bits each)."""
+    s = s.to(torch.int64)
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat((lo & 63, (hi & 0xF) | ((lo >> 6) << 4)), dim=1)
+    m = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), dim=1)
+    return sc, m
+
+
+def pack_scale_min(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`unpack_scale_min`: sc, m [N, 8] in 0..63 -> uint8 [N, 12]."""
+    sc, m = sc.to(torch.int64), m.to(torch.int64)
+    lo = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    mid = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    hi = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    return torch.cat((lo, mid, hi), dim=1).to(torch.uint8)
+
+
+def _nibble_pairs(q: torch.Tensor) -> torch.Tensor:
+    """q [N, 256] (values < 16) -> qs [N, 128]: chunk c's byte l = q[64c+l] | q[64c+32+l] << 4."""
+    q = q.view(-1, 4, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _unpack_nibble_pairs(qs: torch.Tensor) -> torch.Tensor:
+    """qs [N, 128] -> q [N, 8, 32] (sub-block j = 2c + high)."""
+    qs = qs.reshape(-1, 4, 1, 32)
+    return torch.cat((qs & 0xF, qs >> 4), dim=2).reshape(-1, 8, 32)
+
+
+def _affine_quantize(xb: torch.Tensor, levels: int):
+    """xb [N, 8, 32] -> (d16 [N], dmin16 [N], sc [N, 8], m [N, 8], q [N, 8, 32]) for
+    value = d*sc*q - dmin*m, q in 0..levels."""
+    mn = xb.amin(-1).clamp(max=0)
+    mx = xb.amax(-1)
+    scale = (mx - mn) / levels                                # [N, 8]
+    mins = -mn
+    d16 = (scale.amax(-1) / 63).clamp(max=F16_MAX).half().float()
+    dmin16 = (mins.amax(-1) / 63).clamp(max=F16_MAX).half().float()
+    sc = torch.round(scale * safe_inverse(d16)[:, None]).clamp(0, 63)
+    m = torch.round(mins * safe_inverse(dmin16)[:, None]).clamp(0, 63)
+    eff_d = d16[:, None] * sc
+    eff_m = dmin16[:, None] * m
+    q = torch.round((xb + eff_m[..., None]) * safe_inverse(eff_d)[..., None]).clamp(0, levels)
+    return d16, dmin16, sc.to(torch.int64), m.to(torch.int64), q.to(torch.uint8)
+
+
+class Q4_K(Encoding):
+    name, block_size, block_bytes, ggml_type, native_id = "q4_k", QK, 144, 12, 5
+
+    def dequantize(self, raw, cols):
+        b = self._blocks(raw, cols)
+        sc, m = unpack_scale_min(b[:, 4:16])
+        d = (f16_field(b, 0) * sc.float())[..., None]           # [N, 8, 1]
+        dm = (f16_field(b, 2) * m.float())[..., None]
+        q = _unpack_nibble_pairs(b[:, 16:]).float()
+        return (d * q - dm).reshape(raw.shape[:-1] + (cols,))
+
+    def quantize(self, x):
+        cols = x.shape[-1]
+        d16, dmin16, sc, m, q = _affine_quantize(x.float().reshape(-1, 8, 32), 15)
+        out = torch.cat((f16_bytes(d16), f16_bytes(dmin16), pack_scale_min(sc, m),
+                         _nibble_pairs(q.reshape(-1, 256))), dim=1)
+        return out.reshape(x.shape[:-1] + (self.row_bytes(cols),))
+
+
+class Q5_K(Encoding):
+    name, block_size, block_bytes, ggml_type, native_id = "q5_k", QK, 176, 13, 6
+
+    def dequantize(self, raw, cols):
+        b = self._blocks(raw, cols)
+        sc, m = unpack_scale_min(b[:, 4:16])
+        d = (f16_field(b, 0) * sc.float())[..., None]
+        dm = (f16_field(b, 2) * m.float())[..., None]
+        qh = b[:, 16:48].reshape(-1, 1, 32)
+        bits = torch.arange(8, dtype=torch.uint8, device=raw.device).view(1, 8, 1)
+        high = ((qh >> bits) & 1) << 4                           # [N, 8, 32]
+        q = (_unpack_nibble_pairs(b[:, 48:]) | high).float()
+        return (d * q - dm).reshape(raw.shape[:-1] + (cols,))
+
+    def quantize(self, x):
+        cols = x.shape[-1]
+        d16, dmin16, sc, m, q = _affine_quantize(x.float().reshape(-1, 8, 32), 31)   # q [N, 8, 32]
+        bits = torch.arange(8, dtype=torch.uint8, device=q.device).view(1, 8, 1)
+        qh = (((q >> 4) & 1) << bits).sum(1, dtype=torch.int64).to(torch.uint8)      # [N, 32]
+        out = torch.cat((f16_bytes(d16), f16_bytes(dmin16), pack_scale_min(sc, m), qh,
+                         _nibble_pairs((q & 0xF).reshape(-1, 256))), dim=1)
+        return out.reshape(x.shape[:-1] + (self.row_bytes(cols),))
+
+
+class Q6_K(Encoding):
+    name, block_size, block_bytes, ggml_type, native_id = "q6_k", QK, 210, 14, 7
+
+    def dequantize(self, raw, cols):
+        b = self._blocks(raw, cols)
+        ql = b[:, :128].reshape(-1, 2, 64)
+        low = torch.cat((ql & 0xF, ql >> 4), dim=2)                   # [N, 2, 128]
+        qh = b[:, 128:192].reshape(-1, 2, 1, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device).view(1, 1, 4, 1)
+        high = ((qh >> shifts) & 3).reshape(-1, 2, 128)
+        q = ((low | (high << 4)).to(torch.int16) - 32).float().reshape(-1, 16, 16)
+        sc = b[:, 192:208].contiguous().view(torch.int8).float()      # [N, 16]
+        d = (f16_field(b, 208) * sc)[..., None]
+        return (d * q).reshape(raw.shape[:-1] + (cols,))
+
+    def quantize(self, x):
+        cols = x.shape[-1]
+        xb = x.float().reshape(-1, 16, 16)
+        idx = xb.abs().argmax(-1, keepdim=True)
+        scale = xb.gather(-1, idx)[..., 0] / -32                      # [N, 16]: extreme -> -32
+        d16 = (scale.abs().amax(-1) / 127).clamp(max=F16_MAX).half().float()
+        sc = torch.round(scale * safe_inverse(d16)[:, None]).clamp(-128, 127)
+        eff = d16[:, None] * sc
+        inv = torch.where(eff != 0, 1.0 / torch.where(eff != 0, eff, torch.ones_like(eff)), torch.zeros_like(eff))
+        q = (torch.round(xb * inv[..., None]) + 32).clamp(0, 63).to(torch.uint8).reshape(-1, 2, 4, 32)
+        ql = torch.cat(((q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                        (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)), dim=2).reshape(-1, 128)
+        qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+              | ((q[:, :, 3] >> 4) << 6)).reshape(-1, 64)
+        out = torch.cat((ql, qh, sc.to(torch.int8).view(torch.uint8), f16_bytes(d16)), dim=1)
+        return out.reshape(x.shape[:-1] + (self.row_bytes(cols),))
