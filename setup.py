@@ -45,6 +45,18 @@ ext = Pybind11Extension(
     cxx_std=17,
 )
 
+# CPU kernels (csrc/quant*.cpp, moe.cpp): the AVX2 and AVX-512 files select their ISA per function
+# (#pragma GCC target) and run only after a run-time CPU check; the rest is baseline x86-64.
+# -ffp-contract=off keeps exact dequantization bit-equal to numpy's (no fused multiply-adds).
+kernels = Pybind11Extension(
+    "lean_qwenflash._kernels",
+    sources=["csrc/quant_scalar.cpp", "csrc/quant_avx2.cpp", "csrc/quant_avx512.cpp", "csrc/moe.cpp",
+             "csrc/kernels_bindings.cpp"],
+    extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off"],
+    extra_link_args=["-pthread"],
+    cxx_std=17,
+)
+
 setup(
     name="lean-qwenflash",
     version="0.1.0",
@@ -52,7 +64,7 @@ setup(
     packages=find_packages(include=["lean_qwenflash", "lean_qwenflash.*"]),
     package_data={"lean_qwenflash": ["default_model/*", "default_model/**/*"]},
     include_package_data=True,
-    ext_modules=[ext],
+    ext_modules=[ext, kernels],
     cmdclass={"build_ext": build_ext},
     python_requires=">=3.10",
     install_requires=[
@@ -69,7 +81,7 @@ setup(
         "prometheus-client>=0.17",
     ],
     extras_require={
-        "dev": ["pytest>=7", "transformers>=5.0", "openai>=1.30", "httpx>=0.27", "schemathesis>=3.30"],
+        "dev": ["pytest>=7", "gguf>=0.10", "transformers>=5.0", "openai>=1.30", "httpx>=0.27", "schemathesis>=3.30"],
         "cuda": ["flash-linear-attention", "causal-conv1d", "flash-attn"],
         "exl3": ["exllamav3"],
     },

@@ -1,0 +1,245 @@
+// Run-time ISA choice, a small thread pool, and the products the runtime calls:
+//   gemv            one matrix x one activation row (decode shape; tests and benchmarks)
+//   moe_decode      one token through all of its routed experts of a layer in one call:
+//                   gate_up -> silu(gate) * up -> down, weighted sum
+//   dequantize      rows -> fp32 (the exact path and prefill tiles), rows split over threads
+// Every output value is computed by one thread in a fixed order, so results do not depend on the
+// thread count, and a given ISA is deterministic.
+#include "moe.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace lqf {
+
+// ---- ISA ----
+
+static bool cpu_has_avx2() {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static bool cpu_has_avx512() {
+    __builtin_cpu_init();
+    return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+
+std::vector<std::string> supported_isas() {
+    std::vector<std::string> out{"scalar"};
+    if (cpu_has_avx2()) out.push_back("avx2");
+    if (cpu_has_avx512()) out.push_back("avx512");
+    return out;
+}
+
+std::string best_isa() { return supported_isas().back(); }
+
+const KernelTable& kernels_for(const std::string& isa) {
+    if (isa == "auto") return kernels_for(best_isa());
+    if (isa == "scalar") return scalar_kernels();
+    if (isa == "avx2") {
+        if (!cpu_has_avx2()) throw std::invalid_argument("this CPU lacks AVX2/FMA/F16C: use isa 'scalar' or 'auto'");
+        return avx2_kernels();
+    }
+    if (isa == "avx512") {
+        if (!cpu_has_avx512()) throw std::invalid_argument("this CPU lacks AVX-512 F/BW/VL: use isa 'avx2', 'scalar' or 'auto'");
+        return avx512_kernels();
+    }
+    throw std::invalid_argument("unknown isa '" + isa + "': expected auto, scalar, avx2 or avx512");
+}
+
+// ---- thread pool: the caller runs tasks too; workers spin briefly, then sleep ----
+
+class Pool {
+   public:
+    explicit Pool(int n) {
+        for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            stop_ = true;
+            ++gen_;
+        }
+        cv_.notify_all();
+        for (auto& t : workers_) t.join();
+    }
+    int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+    void run(int num_tasks, const std::function<void(int)>& fn) {
+        if (num_tasks <= 0) return;
+        if (workers_.empty() || num_tasks == 1) {
+            for (int t = 0; t < num_tasks; ++t) fn(t);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lk(mu_);
+            fn_ = &fn;
+            total_ = num_tasks;
+            next_.store(0);
+            busy_.store(static_cast<int>(workers_.size()));
+            ++gen_;
+            gen_atomic_.store(gen_, std::memory_order_release);
+        }
+        cv_.notify_all();
+        work();
+        while (busy_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+    }
+
+   private:
+    void work() {
+        for (int t; (t = next_.fetch_add(1)) < total_;) (*fn_)(t);
+    }
+    void loop() {
+        uint64_t seen = 0;
+        for (;;) {
+            // Spin a little: consecutive calls (two phases per layer, many layers) come fast.
+            for (int i = 0; i < 20000 && gen_atomic_.load(std::memory_order_acquire) == seen; ++i) __builtin_ia32_pause();
+            {
+                std::unique_lock<std::mutex> lk(mu_);
+                cv_.wait(lk, [&] { return gen_ != seen; });
+                seen = gen_;
+                if (stop_) return;
+            }
+            work();
+            busy_.fetch_sub(1, std::memory_order_acq_rel);
+        }
+    }
+
+    std::vector<std::thread> workers_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    uint64_t gen_ = 0;
+    std::atomic<uint64_t> gen_atomic_{0};
+    bool stop_ = false;
+    const std::function<void(int)>* fn_ = nullptr;
+    int total_ = 0;
+    std::atomic<int> next_{0};
+    std::atomic<int> busy_{0};
+};
+
+static Pool& pool(int num_threads) {
+    static std::unique_ptr<Pool> p;
+    static std::mutex mu;
+    std::lock_guard<std::mutex> lk(mu);
+    num_threads = std::max(1, num_threads);
+    if (!p || p->size() != num_threads) {
+        p.reset();
+        p.reset(new Pool(num_threads));
+    }
+    return *p;
+}
+
+// ---- activations ----
+
+struct ActBuf {
+    std::vector<float> d, s;
+    std::vector<int8_t> q;
+    const float* x = nullptr;
+    Act act() const { return Act{x, ActQ8{d.data(), q.data(), s.data()}}; }
+    void prepare(int enc, const float* values, int n) {
+        x = values;
+        if (enc_is_float(enc)) return;
+        d.resize(n / QA);
+        s.resize(n / QA);
+        q.resize(n);
+        quantize_act(values, n, d.data(), q.data(), s.data());
+    }
+};
+
+static void check_cols(int enc, int cols, const char* what) {
+    if (enc < 0 || enc >= ENC_COUNT) throw std::invalid_argument(std::string(what) + ": unknown encoding id");
+    if (cols <= 0 || cols % enc_block_values(enc))
+        throw std::invalid_argument(std::string(what) + ": row length " + std::to_string(cols) +
+                                    " is not a multiple of the encoding's block of " + std::to_string(enc_block_values(enc)));
+}
+
+constexpr int ROWS_PER_TASK = 16;
+
+void gemv(const uint8_t* w, int enc, int rows, int cols, const float* x, float* out, int num_threads, const std::string& isa) {
+    check_cols(enc, cols, "gemv");
+    const KernelTable& k = kernels_for(isa);
+    ActBuf a;
+    a.prepare(enc, x, cols);
+    const Act act = a.act();
+    const size_t stride = enc_row_bytes(enc, cols);
+    const DotFn dot = k.dot[enc];
+    pool(num_threads).run((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
+        const int r1 = std::min(rows, (t + 1) * ROWS_PER_TASK);
+        for (int r = t * ROWS_PER_TASK; r < r1; ++r) out[r] = dot(w + r * stride, act, cols);
+    });
+}
+
+void moe_decode(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                const std::vector<const uint8_t*>& down, const std::vector<float>& weights, int gate_up_enc, int down_enc,
+                float* out, int num_threads, const std::string& isa) {
+    check_cols(gate_up_enc, hidden, "moe_decode gate_up");
+    check_cols(down_enc, inter, "moe_decode down");
+    const KernelTable& k = kernels_for(isa);
+    const int num_experts = static_cast<int>(gate_up.size());
+    if (down.size() != gate_up.size() || weights.size() != gate_up.size())
+        throw std::invalid_argument("moe_decode: gate_up, down and weights must have one entry per expert");
+    Pool& p = pool(num_threads);
+
+    // 1. gate_up for every expert: [E, 2I]
+    ActBuf ax;
+    ax.prepare(gate_up_enc, x, hidden);
+    const Act act_x = ax.act();
+    const size_t gu_stride = enc_row_bytes(gate_up_enc, hidden);
+    const DotFn dot_gu = k.dot[gate_up_enc];
+    std::vector<float> h(static_cast<size_t>(num_experts) * 2 * inter);
+    const int gu_tasks_per_expert = (2 * inter + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    p.run(num_experts * gu_tasks_per_expert, [&](int t) {
+        const int e = t / gu_tasks_per_expert, r0 = (t % gu_tasks_per_expert) * ROWS_PER_TASK;
+        const int r1 = std::min(2 * inter, r0 + ROWS_PER_TASK);
+        float* he = h.data() + static_cast<size_t>(e) * 2 * inter;
+        for (int r = r0; r < r1; ++r) he[r] = dot_gu(gate_up[e] + r * gu_stride, act_x, hidden);
+    });
+
+    // 2. silu(gate) * up, quantized per expert for the down product
+    std::vector<float> act(static_cast<size_t>(num_experts) * inter);
+    std::vector<ActBuf> aq(num_experts);
+    for (int e = 0; e < num_experts; ++e) {
+        const float* he = h.data() + static_cast<size_t>(e) * 2 * inter;
+        float* ae = act.data() + static_cast<size_t>(e) * inter;
+        for (int i = 0; i < inter; ++i) {
+            const float g = he[i];
+            ae[i] = g / (1.f + std::exp(-g)) * he[inter + i];
+        }
+        aq[e].prepare(down_enc, ae, inter);
+    }
+    std::vector<Act> acts(num_experts);
+    for (int e = 0; e < num_experts; ++e) acts[e] = aq[e].act();
+
+    // 3. down: every output row sums its experts in order (deterministic)
+    const size_t dn_stride = enc_row_bytes(down_enc, inter);
+    const DotFn dot_dn = k.dot[down_enc];
+    p.run((hidden + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
+        const int r1 = std::min(hidden, (t + 1) * ROWS_PER_TASK);
+        for (int r = t * ROWS_PER_TASK; r < r1; ++r) {
+            float acc = 0.f;
+            for (int e = 0; e < num_experts; ++e) acc += weights[e] * dot_dn(down[e] + r * dn_stride, acts[e], inter);
+            out[r] = acc;
+        }
+    });
+}
+
+void dequantize(const uint8_t* src, int enc, int rows, int cols, float* dst, int num_threads) {
+    check_cols(enc, cols, "dequantize");
+    const size_t stride = enc_row_bytes(enc, cols);
+    constexpr int ROWS = 64;
+    pool(num_threads).run((rows + ROWS - 1) / ROWS, [&](int t) {
+        const int r1 = std::min(rows, (t + 1) * ROWS);
+        for (int r = t * ROWS; r < r1; ++r) dequantize_row(enc, src + r * stride, cols, dst + static_cast<size_t>(r) * cols);
+    });
+}
+
+}  // namespace lqf

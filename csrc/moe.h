@@ -1,0 +1,26 @@
+// The kernel entry points bound as lean_qwenflash._kernels (see moe.cpp).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "quant.h"
+
+namespace lqf {
+
+std::vector<std::string> supported_isas();   // "scalar" always; "avx2", "avx512" if the CPU has them
+std::string best_isa();
+const KernelTable& kernels_for(const std::string& isa);   // "auto" = best_isa()
+
+// out[rows] = W[rows, cols] . x[cols]  (x fp32; quantized to ActQ8 first for block encodings)
+void gemv(const uint8_t* w, int enc, int rows, int cols, const float* x, float* out, int num_threads, const std::string& isa);
+
+// out[H] = sum_e weights[e] * down_e(silu(gate_e(x)) * up_e(x)); gate_up_e [2I, H], down_e [H, I]
+void moe_decode(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                const std::vector<const uint8_t*>& down, const std::vector<float>& weights, int gate_up_enc, int down_enc,
+                float* out, int num_threads, const std::string& isa);
+
+// dst[rows, cols] fp32 = the rows of src decoded exactly
+void dequantize(const uint8_t* src, int enc, int rows, int cols, float* dst, int num_threads);
+
+}  // namespace lqf

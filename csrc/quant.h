@@ -1,0 +1,75 @@
+// Quantized-weight CPU kernels: shared declarations.
+//
+// Weights are rows of GGUF blocks (layouts in lean_qwenflash/quant/*.py); activations for the
+// block formats are quantized once per product into ActQ8 (32-value blocks, float scale). Each ISA
+// (scalar, AVX2, AVX-512) provides one dot-product per encoding; moe.cpp picks the table at run
+// time and owns the threads. No torch, no Python here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace lqf {
+
+// Must match Encoding.native_id in lean_qwenflash/quant/.
+enum Enc : int { ENC_F32 = 0, ENC_F16 = 1, ENC_BF16 = 2, ENC_Q8_0 = 3, ENC_Q4_0 = 4, ENC_Q4_K = 5, ENC_Q5_K = 6, ENC_Q6_K = 7, ENC_COUNT = 8 };
+
+constexpr int QK = 256;      // K-quant super-block
+constexpr int QA = 32;       // activation block
+
+// Bytes of one block and values per block, by encoding.
+int enc_block_bytes(int enc);
+int enc_block_values(int enc);
+inline bool enc_is_float(int enc) { return enc <= ENC_BF16; }
+inline size_t enc_row_bytes(int enc, int cols) {
+    return static_cast<size_t>(cols / enc_block_values(enc)) * enc_block_bytes(enc);
+}
+
+// One activation vector quantized to int8 in blocks of 32: value ~= d[b] * q[32 b + i];
+// s[b] = d[b] * sum_i q[32 b + i] (the K-quant mins term needs it).
+struct ActQ8 {
+    const float* d;
+    const int8_t* q;
+    const float* s;
+};
+
+// Activation input of a dot product: floats for float encodings, ActQ8 otherwise.
+struct Act {
+    const float* x;
+    ActQ8 q8;
+};
+
+using DotFn = float (*)(const uint8_t* row, const Act& a, int cols);
+
+struct KernelTable {
+    const char* name;
+    DotFn dot[ENC_COUNT];
+};
+
+const KernelTable& scalar_kernels();
+const KernelTable& avx2_kernels();      // only call when the CPU has AVX2 + FMA + F16C
+const KernelTable& avx512_kernels();    // only call when the CPU has AVX-512 F + BW + VL
+
+// x[n] (n % 32 == 0) -> d[n/32], q[n], s[n/32].
+void quantize_act(const float* x, int n, float* d, int8_t* q, float* s);
+
+// One row of `cols` values of encoding `enc` -> fp32 (exactly gguf.quants' arithmetic).
+void dequantize_row(int enc, const uint8_t* row, int cols, float* out);
+
+float fp16_to_fp32(uint16_t h);
+
+// Block-field readers shared by the kernels (little-endian, unaligned).
+inline uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+// q4_k / q5_k: the 6-bit scale and min of sub-block j from the 12 packed bytes.
+inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = static_cast<uint8_t>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *m = static_cast<uint8_t>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+}  // namespace lqf

@@ -1,0 +1,203 @@
+// AVX-512 (F + BW + VL) dot products: the AVX2 scheme on 64-byte registers, two sub-blocks of 32
+// per instruction. AVX-512 has no sign_epi8, so signed x signed products negate the activation
+// under the weight's sign mask instead. Internal linkage except the table (see quant_avx2.cpp).
+#include <immintrin.h>
+
+#include "quant.h"
+
+// GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* helpers.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
+
+namespace lqf {
+namespace {
+
+inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+inline __m512i loadu(const void* p) { return _mm512_loadu_si512(p); }
+inline __m256i loadu256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+// lanes 0-7 = a, lanes 8-15 = b
+inline __m512 halves(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
+
+inline __m512i dot_u8s8(__m512i u, __m512i s) { return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)); }
+
+inline __m512i dot_s8s8(__m512i w, __m512i x) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    return dot_u8s8(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+
+float dot_f32(const uint8_t* row, const Act& a, int cols) {
+    const float* w = reinterpret_cast<const float*>(row);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= cols; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(a.x + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(a.x + i + 16), acc1);
+    }
+    float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; i < cols; ++i) acc += w[i] * a.x[i];
+    return acc;
+}
+
+inline __m512 bf16x16(const uint8_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(loadu256(p)), 16));
+}
+
+float dot_bf16(const uint8_t* row, const Act& a, int cols) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= cols; i += 32) {
+        acc0 = _mm512_fmadd_ps(bf16x16(row + 2 * i), _mm512_loadu_ps(a.x + i), acc0);
+        acc1 = _mm512_fmadd_ps(bf16x16(row + 2 * i + 32), _mm512_loadu_ps(a.x + i + 16), acc1);
+    }
+    float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; i < cols; ++i) {
+        uint32_t bits = static_cast<uint32_t>(load_u16(row + 2 * i)) << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, 4);
+        acc += f * a.x[i];
+    }
+    return acc;
+}
+
+float dot_f16(const uint8_t* row, const Act& a, int cols) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 32 <= cols; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(loadu256(row + 2 * i)), _mm512_loadu_ps(a.x + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(loadu256(row + 2 * i + 32)), _mm512_loadu_ps(a.x + i + 16), acc1);
+    }
+    float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; i < cols; ++i) acc += h2f(row + 2 * i) * a.x[i];
+    return acc;
+}
+
+float dot_q8_0(const uint8_t* row, const Act& a, int cols) {
+    __m512 acc = _mm512_setzero_ps();
+    const int nb = cols / 32;
+    int b = 0;
+    for (; b + 2 <= nb; b += 2, row += 68) {
+        const __m512i s = dot_s8s8(join(loadu256(row + 2), loadu256(row + 36)), loadu(a.q8.q + 32 * b));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + 34) * a.q8.d[b + 1]), acc);
+    }
+    float out = _mm512_reduce_add_ps(acc);
+    if (b < nb) {  // odd block count: one 32-value block left
+        const __m256i w = loadu256(row + 2), x = loadu256(a.q8.q + 32 * b);
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(row) * a.q8.d[b]));
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        out += _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+    }
+    return out;
+}
+
+inline __m256i q4_0_block(const uint8_t* blk) {
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    return _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4)), _mm256_set1_epi8(8));
+}
+
+float dot_q4_0(const uint8_t* row, const Act& a, int cols) {
+    __m512 acc = _mm512_setzero_ps();
+    const int nb = cols / 32;
+    int b = 0;
+    for (; b + 2 <= nb; b += 2, row += 36) {
+        const __m512i s = dot_s8s8(join(q4_0_block(row), q4_0_block(row + 18)), loadu(a.q8.q + 32 * b));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + 18) * a.q8.d[b + 1]), acc);
+    }
+    float out = _mm512_reduce_add_ps(acc);
+    if (b < nb) {
+        const __m256i w = q4_0_block(row), x = loadu256(a.q8.q + 32 * b);
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
+        alignas(32) int32_t v[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(v), s);
+        int isum = 0;
+        for (int i = 0; i < 8; ++i) isum += v[i];
+        out += h2f(row) * a.q8.d[b] * static_cast<float>(isum);
+    }
+    return out;
+}
+
+template <bool FIVE>
+float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
+    constexpr int BB = FIVE ? 176 : 144;
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 accm = _mm256_setzero_ps();
+    for (int b = 0; b < cols / QK; ++b, row += BB) {
+        uint8_t sc[8], m[8];
+        for (int j = 0; j < 8; ++j) scale_min_k4(j, row + 4, sc + j, m + j);
+        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))));
+        const __m512 eff = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf),
+                                                                _mm256_loadu_ps(a.q8.d + 8 * b)));
+        accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), accm);
+        const uint8_t* qs = row + (FIVE ? 48 : 16);
+        const int8_t* x = a.q8.q + QK * b;
+        __m512i qh2;
+        if (FIVE) qh2 = _mm512_broadcast_i64x4(loadu256(row + 16));
+        for (int c = 0; c < 4; ++c) {
+            // [low nibbles = sub-block 2c | high nibbles = sub-block 2c+1]: 64 weights whose
+            // activations are contiguous.
+            const __m512i v = _mm512_broadcast_i64x4(loadu256(qs + 32 * c));
+            __m512i q = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, v, _mm512_srli_epi16(v, 4)), m4);
+            if (FIVE) {
+                const __m512i bits = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
+                                                             _mm512_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
+                q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh2, bits), q, _mm512_set1_epi8(16));
+            }
+            const __m512i p = dot_u8s8(q, loadu(x + 64 * c));
+            const __m512i idx = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, eff), acc);
+        }
+    }
+    __m128 t = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
+    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<false>(row, a, cols); }
+float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<true>(row, a, cols); }
+
+float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), k32 = _mm512_set1_epi8(32);
+    // int16 lane i of a 32-lane vector takes scale (base + i / 8): four 16-weight groups.
+    const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < cols / QK; ++b, row += 210) {
+        const float d = h2f(row + 208);
+        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
+        for (int n = 0; n < 2; ++n) {
+            const __m512i L = loadu(row + 64 * n);                                  // [L0 | L1]
+            const __m512i H = _mm512_broadcast_i64x4(loadu256(row + 128 + 32 * n));  // [H | H]
+            __m512i q[2];
+            q[0] = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                   _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2)), m30));
+            q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                   _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2)), m30));
+            for (int h = 0; h < 2; ++h) {
+                const int ab = 8 * b + 4 * n + 2 * h;   // two activation blocks: ab, ab + 1
+                const __m512i x = loadu(a.q8.q + QA * ab);
+                const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[h], x), _mm512_maddubs_epi16(k32, x));
+                const __m512i s16 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(8 * n + 4 * h))), sc16);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, s16)), halves(d * a.q8.d[ab], d * a.q8.d[ab + 1]), acc);
+            }
+        }
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+}  // namespace
+
+const KernelTable& avx512_kernels() {
+    static const KernelTable t = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+    return t;
+}
+
+}  // namespace lqf
+
+#pragma GCC pop_options
