@@ -16,6 +16,8 @@ import yaml
 
 IO_ENGINES = ("auto", "uring", "pread")
 DTYPES = ("float32", "bfloat16", "float16")
+EXPERT_KERNELS = ("fast", "exact")   # models.kernels: native fused decode | dequantize + torch
+CPU_ISAS = ("auto", "scalar", "avx2", "avx512")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -87,6 +89,9 @@ class RuntimeConfig:
     prefetch: bool = True
     prefetch_lookahead: int = 1         # layers ahead whose experts are predicted and read
     prefetch_extra: int = 0             # predict top-k + this many experts per layer
+    expert_kernels: str = "fast"        # fast: native decode kernels (int8 activations for quantized
+                                        # experts); exact: dequantize, then torch (bit-identity tests)
+    cpu_isa: str = "auto"               # force a native kernel path: auto, scalar, avx2, avx512
     server: ServerConfig = field(default_factory=ServerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     source: Optional[str] = None        # file it was loaded from (not a key)
@@ -96,6 +101,10 @@ class RuntimeConfig:
             raise ConfigError(f"io_engine: must be one of {', '.join(IO_ENGINES)}, got {self.io_engine!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.expert_kernels not in EXPERT_KERNELS:
+            raise ConfigError(f"expert_kernels: must be one of {', '.join(EXPERT_KERNELS)}, got {self.expert_kernels!r}")
+        if self.cpu_isa not in CPU_ISAS:
+            raise ConfigError(f"cpu_isa: must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 1 <= self.io_queue_depth <= 4096:

@@ -108,6 +108,7 @@ class Runtime:
                 device=device, device_cache_bytes=cfg.device_cache_bytes, prefetch=cfg.prefetch,
                 prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
         model = build_model(config, resident, provider, dtype=dtype, device=device)
+        model.set_expert_kernels(cfg.expert_kernels, cfg.cpu_isa)
         tokenizer = None
         if (Path(cfg.model) / "tokenizer.json").is_file():
             from .chat import Tokenizer

@@ -18,8 +18,11 @@ def two_threads_split_everything(monkeypatch):
     size threshold). Shared by test_models and test_tiered."""
     # Imported here, not at the top: conftest loads for every test file, most never need the models.
     from lean_qwenflash.models import kernels
+    from lean_qwenflash.models.layers import SparseMoeBlock
 
     monkeypatch.setattr(kernels, "SPLIT_MIN_BYTES", 0)
+    # The routed experts' torch path is the one that splits (the native kernels thread by themselves).
+    monkeypatch.setattr(SparseMoeBlock, "expert_kernels", "exact")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -32,8 +32,8 @@ def packs(tmp_path_factory):
     return out
 
 
-def _reference(pack_dir, prompt):
-    cfg = load_config(model=str(pack_dir))
+def _reference(pack_dir, prompt, **overrides):
+    cfg = load_config(model=str(pack_dir), **overrides)
     with Runtime.open(cfg, resident_experts=True) as rt:
         logits = rt.model(prompt)
         tokens = list(Generator(rt.model).generate(prompt[0].tolist(), GREEDY, 16))
@@ -85,11 +85,11 @@ def test_streamed_equals_resident_with_two_thread_split_decode(family, packs, tw
     """Decode as on a 2-core machine: every one-row product split over two threads (kernels.linear)
     still gives the resident bits when the experts come from cache slots."""
     c = hf_models.case(family)
-    ref_logits, ref_tokens = _reference(packs[family], c.prompt)
+    ref_logits, ref_tokens = _reference(packs[family], c.prompt, expert_kernels="exact")
     store = ExpertStore.open(packs[family])
     minimum = _budgets(store, int(c.config["num_experts_per_tok"]))["minimum"]
     store.close()
-    with Runtime.open(load_config(model=str(packs[family]), host_cache_bytes=minimum)) as rt:
+    with Runtime.open(load_config(model=str(packs[family]), host_cache_bytes=minimum, expert_kernels="exact")) as rt:
         assert torch.equal(rt.model(c.prompt), ref_logits)
         assert list(Generator(rt.model).generate(c.prompt[0].tolist(), GREEDY, 16)) == ref_tokens
 

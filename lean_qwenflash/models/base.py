@@ -66,6 +66,17 @@ class CausalLM(nn.Module):
             block.provider = provider
 
     @torch.inference_mode()
+    def set_expert_kernels(self, mode: str = "fast", isa: str = "auto") -> None:
+        """Routed-expert math for every sparse block: ``exact`` or ``fast`` (see models.kernels);
+        ``isa`` forces a native kernel path (auto, scalar, avx2, avx512)."""
+        from .kernels import EXPERT_KERNELS
+        from .native import KERNEL_ISAS
+        if mode not in EXPERT_KERNELS or isa not in KERNEL_ISAS:
+            raise ValueError(f"expert kernels must be one of {EXPERT_KERNELS} and isa one of {KERNEL_ISAS}; "
+                             f"got {mode!r}, {isa!r}")
+        for block in self.moe_blocks():
+            block.expert_kernels, block.kernel_isa = mode, isa
+
     def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
         """Logits for ``input_ids`` [B, T] that continue ``state`` (a ``ModelState``, updated in place).
 

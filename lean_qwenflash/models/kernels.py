@@ -2,7 +2,16 @@
 
 On CUDA, flash-linear-attention's chunked gated delta rule and causal-conv1d are used when they
 import; everything else (and every CPU run) uses torch. On CPU, one-row products (decode) are
-spread over the intra-op threads by ``linear``. Attention always goes through SDPA, which
+spread over the intra-op threads by ``linear``.
+
+Routed experts go through two calls, whatever their encoding: ``experts_decode`` (one token, all of
+its experts, one call per layer) and ``expert_mlp`` (many tokens through one expert). Two modes:
+
+* ``exact``: block-quantized weights are dequantized exactly (to fp32, then the compute dtype) and
+  multiplied with torch, as float weights are. Bit-identity tests use it.
+* ``fast`` (decode on CPU): the native fused kernels of csrc/ read the encoded rows directly, with
+  activations quantized to int8 blocks of 32 for block encodings (float rows take fp32
+  activations). Many-token products always take the exact path (dequantize, then a GEMM). Attention always goes through SDPA, which
 already dispatches to flash/memory-efficient kernels on CUDA. The CUDA branches run in
 tests/test_cuda.py (on a GPU machine: scripts/device_check.sh).
 """
@@ -10,6 +19,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..quant import QuantTensor
+from . import native
+
+EXPERT_KERNELS = ("exact", "fast")
 
 try:  # pragma: no cover - CUDA-only optional dependency
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
@@ -87,3 +101,64 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
         return F.linear(x, weight, bias)
     out = split_gemv(split_input(x.view(1, -1), parts), weight, parts).view(x.shape[:-1] + (weight.shape[0],))
     return out if bias is None else out + bias
+
+
+# -- routed experts ----------------------------------------------------------------------------------
+
+# Dequantized weights land in reused fp32 buffers (one per role and shape): BLAS picks code paths
+# by pointer alignment, so resident and streamed experts must be dequantized to the same place to
+# give the same bits; reuse also avoids an allocation per expert and token.
+_scratch: dict = {}
+
+
+def as_float(weight, dtype: torch.dtype, role: str) -> torch.Tensor:
+    """A weight as a float matrix in ``dtype`` (float weights as they are; quantized: exact dequantization)."""
+    if not isinstance(weight, QuantTensor):
+        return weight
+    if weight.device.type != "cpu" or not native.available():
+        return weight.dequantize(dtype)
+    key = (role, tuple(weight.shape))
+    buf = _scratch.get(key)
+    if buf is None:
+        buf = _scratch[key] = torch.empty(weight.shape, dtype=torch.float32)
+    native.dequantize_into(weight, buf)
+    return buf if dtype == torch.float32 else buf.to(dtype)
+
+
+def _fast_ok(x: torch.Tensor, experts) -> bool:
+    return x.device.type == "cpu" and native.supports(experts[0].gate_up) and native.supports(experts[0].down)
+
+
+def experts_decode(x: torch.Tensor, experts, weights, mode: str = "exact", isa: str = "auto") -> torch.Tensor:
+    """One token x [1, H] through its experts: ``sum_e weights[e] * down_e(silu(gate_e x) * up_e x)``.
+
+    The experts of one call come from one layer (same shapes and encodings). ``fast`` runs one native
+    call for all of them; ``exact`` (and anything the native kernels cannot read) runs torch.
+    """
+    if mode == "fast" and _fast_ok(x, experts):
+        return native.moe_decode(x, experts, weights, isa=isa).to(x.dtype)
+    # kernels.linear's row split, decided once per call: the experts of a layer share shapes
+    # (inline, since per-call overhead is ~10% of a small expert's GEMV).
+    inter = experts[0].down.shape[1]
+    up_parts = down_parts = x_in = None
+    out = torch.zeros_like(x)
+    for w, weight in zip(experts, weights):
+        gate_up = as_float(w.gate_up, x.dtype, "gate_up")
+        if up_parts is None:
+            up_parts = split_parts(gate_up)
+            x_in = split_input(x, up_parts)
+        h = split_gemv(x_in, gate_up, up_parts)
+        act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+        down = as_float(w.down, x.dtype, "down")
+        if down_parts is None:
+            down_parts = split_parts(down)
+        out.add_(split_gemv(split_input(act, down_parts), down, down_parts), alpha=weight)
+    return out
+
+
+def expert_mlp(x: torch.Tensor, expert) -> torch.Tensor:
+    """Many tokens x [n, H] through one expert: ``down(silu(gate x) * up x)`` -> [n, H]."""
+    h = F.linear(x, as_float(expert.gate_up, x.dtype, "gate_up"))
+    inter = h.shape[-1] // 2
+    act = F.silu(h[:, :inter]).mul_(h[:, inter:])
+    return F.linear(act, as_float(expert.down, x.dtype, "down"))

@@ -300,12 +300,14 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, provider, layer_idx: int) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, provider, layer_idx: int,
+                   mode: str = "exact", isa: str = "auto") -> torch.Tensor:
     """Sum over each token's selected experts of ``weight * down(silu(gate) * up)``.
 
     x [N, H], weights and indices [N, k]. The provider is asked once for the unique selected ids
-    (sorted); the result depends only on the tensors it returns, so any provider serving the same
-    values gives the same bits. Prefill groups tokens by expert: one gather + two matmuls each.
+    (sorted); the result depends only on the weights it returns, so any provider serving the same
+    bytes gives the same bits. Decode is one ``kernels.experts_decode`` call (``mode``: exact or
+    fast, see kernels); prefill groups tokens by expert: one gather + ``kernels.expert_mlp`` each.
     """
     num_tokens, top_k = indices.shape
     if num_tokens == 1:
@@ -315,16 +317,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
         expert_ids = [e for e, _ in pairs]
         experts = provider.acquire(layer_idx, expert_ids)
         try:
-            # kernels.linear's row split, decided once: the experts of a layer share shapes
-            # (inline, since per-call overhead is ~10% of a small expert's GEMV).
-            up_parts, down_parts = kernels.split_parts(experts[0].gate_up), kernels.split_parts(experts[0].down)
-            inter = experts[0].down.shape[1]
-            x_in = kernels.split_input(x, up_parts)
-            out = torch.zeros_like(x)
-            for w, (_, weight) in zip(experts, pairs):
-                h = kernels.split_gemv(x_in, w.gate_up, up_parts)
-                act = F.silu(h[:, :inter]).mul_(h[:, inter:])
-                out.add_(kernels.split_gemv(kernels.split_input(act, down_parts), w.down, down_parts), alpha=weight)
+            out = kernels.experts_decode(x, experts, [w for _, w in pairs], mode, isa)
         finally:
             provider.release(layer_idx, expert_ids)
         return out
@@ -347,10 +340,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
         try:
             for w, count in zip(experts, counts[start:start + group]):
                 rows = token_of[pos:pos + count]
-                h = F.linear(x.index_select(0, rows), w.gate_up)
-                inter = h.shape[-1] // 2
-                act = F.silu(h[:, :inter]).mul_(h[:, inter:])
-                y = F.linear(act, w.down).mul_(weight_of[pos:pos + count, None])
+                y = kernels.expert_mlp(x.index_select(0, rows), w).mul_(weight_of[pos:pos + count, None])
                 out.index_add_(0, rows, y)
                 pos += count
         finally:
@@ -361,6 +351,11 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
 class SparseMoeBlock(nn.Module):
     """Softmax top-k router over routed experts served by a provider, plus an optional
     sigmoid-gated shared expert (Qwen3-Next). ``gate`` is the router (HF name)."""
+
+    # Routed-expert math (kernels.experts_decode): "fast" or "exact", and the native ISA to use.
+    # Class-level defaults; CausalLM.set_expert_kernels sets them per block.
+    expert_kernels = "fast"
+    kernel_isa = "auto"
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  layer_idx: int, shared_intermediate_size: int = 0):
@@ -382,7 +377,8 @@ class SparseMoeBlock(nn.Module):
         weights, indices = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx)
+        out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx,
+                             self.expert_kernels, self.kernel_isa)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(shape)
