@@ -5,14 +5,28 @@ import argparse
 import sys
 
 from .config import format_size
+from .quant.presets import PRESETS as QUANT_PRESETS
 
 
 def cmd_pack(args) -> int:
     from .store.packer import pack
-    m = pack(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=not args.quiet)
+    m = pack(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=not args.quiet,
+             quant=args.quant)
     print(f"packed {m.architecture} into {args.out_dir}: {len(m.layers)} MoE layers, {m.num_records} expert "
           f"records, {format_size(m.experts_bytes)} of experts; tokenizer files: {', '.join(m.tokenizer_files) or 'none'}")
+    print(encoding_summary(m))
+    for note in m.notes:
+        print(f"note: {note}")
     return 0
+
+
+def encoding_summary(m) -> str:
+    """One line per expert projection: its encodings and their bytes over the whole pack."""
+    lines = []
+    for name, per in m.encodings().items():
+        parts = ", ".join(f"{enc} {format_size(n)}" for enc, n in sorted(per.items()))
+        lines.append(f"  {name:8s} {parts}")
+    return "encodings:\n" + "\n".join(lines) if lines else "encodings: (no routed experts)"
 
 
 def cmd_inspect(args) -> int:
@@ -25,7 +39,16 @@ def cmd_inspect(args) -> int:
         if m.layers:
             l0 = m.layers[0]
             shapes = ", ".join(f"{t.name} {list(t.shape)} {t.encoding}" for t in l0.tensors)
-            print(f"record:       {format_size(l0.record_bytes)} ({shapes})")
+            print(f"record:       {format_size(l0.record_bytes)} ({shapes})"
+                  + (" (layers differ; see encodings)" if len({l.tensors for l in m.layers}) > 1 else ""))
+        print(encoding_summary(m))
+        if m.resident:
+            per: dict = {}
+            for t in m.resident:
+                per[t.encoding] = per.get(t.encoding, 0) + t.nbytes
+            print("resident:     " + ", ".join(f"{enc} {format_size(n)}" for enc, n in sorted(per.items())))
+        for note in m.notes:
+            print(f"note:         {note}")
         print(f"I/O engine:   {store.engine.kind if store.engine else '-'}"
               f"{' (' + store.engine.fallback_reason.strip() + ')' if store.engine and store.engine.fallback_reason else ''}")
         if args.verify_all:
@@ -197,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("out_dir", help="pack directory to create (must not exist unless --force)")
     pk.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="convert routed experts to this dtype (default: keep the checkpoint's)")
+    pk.add_argument("--quant", choices=list(QUANT_PRESETS), metavar="PRESET",
+                    help="encode routed experts in GGUF block formats: q4_k_m (q4_k, down q6_k in some layers; "
+                         "about 3.5x fewer bytes than bf16), q5_k_m, q4_k, q5_k, q6_k, q8_0, q4_0, or a float "
+                         "(bf16, f16, f32). Embeddings, norms, routers and other resident tensors stay float. "
+                         "Rows a block format cannot hold stay in the float dtype (the summary says which).")
     pk.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
     pk.set_defaults(func=cmd_pack)

@@ -53,6 +53,14 @@ BASE = {
     ),
 }
 
+# Expert rows of 256 values, so every block encoding (K-quants: 256-value super-blocks) applies.
+QUANT_SHAPES = {
+    "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256),
+    "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
+    "mixtral": dict(hidden_size=256, intermediate_size=256),
+    "olmoe": dict(hidden_size=256, intermediate_size=256),
+}
+
 VARIANTS = {
     "qwen3_next": {
         # GQA 2, Hv/Hk = 2, renormalised top-k, layer types from full_attention_interval.
@@ -82,6 +90,10 @@ VARIANTS = {
         "norm_topk": dict(norm_topk_prob=True, num_experts_per_tok=3, clip_qkv=4.0),
     },
 }
+
+
+for _family, _shape in QUANT_SHAPES.items():
+    VARIANTS[_family]["quant"] = _shape
 
 
 def hf_config(family: str, variant: str = "base"):

@@ -114,7 +114,7 @@ _scratch: dict = {}
 def as_float(weight, dtype: torch.dtype, role: str) -> torch.Tensor:
     """A weight as a float matrix in ``dtype`` (float weights as they are; quantized: exact dequantization)."""
     if not isinstance(weight, QuantTensor):
-        return weight
+        return weight if weight.dtype == dtype else weight.to(dtype)   # (the runtime keeps them equal)
     if weight.device.type != "cpu" or not native.available():
         return weight.dequantize(dtype)
     key = (role, tuple(weight.shape))

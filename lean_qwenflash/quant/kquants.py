@@ -51,13 +51,35 @@ def _unpack_nibble_pairs(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0xF, qs >> 4), dim=2).reshape(-1, 8, 32)
 
 
+def _affine_fit(xb: torch.Tensor, levels: int, iterations: int = 2):
+    """Per sub-block (scale, min) for x ~= scale * q - min, q in 0..levels: start from the range,
+    then alternate rounding q and a least-squares refit of (scale, min) with min >= 0."""
+    mn = xb.amin(-1, keepdim=True).clamp(max=0)
+    scale = (xb.amax(-1, keepdim=True) - mn) / levels
+    mins = -mn
+    n = xb.shape[-1]
+    for _ in range(iterations):
+        q = torch.round((xb + mins) * safe_inverse(scale)).clamp(0, levels)
+        sq, sx, sqq, sqx = q.sum(-1, keepdim=True), xb.sum(-1, keepdim=True), (q * q).sum(-1, keepdim=True), \
+            (q * xb).sum(-1, keepdim=True)
+        det = n * sqq - sq * sq
+        fit_scale = (n * sqx - sq * sx) / torch.where(det > 0, det, torch.ones_like(det))
+        fit_min = (fit_scale * sq - sx) / n
+        # min must stay >= 0 (the format stores it unsigned): refit the scale alone where it is not
+        alone = sqx / torch.where(sqq > 0, sqq, torch.ones_like(sqq))
+        use_alone = fit_min < 0
+        fit_scale = torch.where(use_alone, alone, fit_scale)
+        fit_min = torch.where(use_alone, torch.zeros_like(fit_min), fit_min)
+        ok = (det > 0) & (fit_scale > 0)
+        scale = torch.where(ok, fit_scale, scale)
+        mins = torch.where(ok, fit_min, mins)
+    return scale[..., 0], mins[..., 0]
+
+
 def _affine_quantize(xb: torch.Tensor, levels: int):
     """xb [N, 8, 32] -> (d16 [N], dmin16 [N], sc [N, 8], m [N, 8], q [N, 8, 32]) for
     value = d*sc*q - dmin*m, q in 0..levels."""
-    mn = xb.amin(-1).clamp(max=0)
-    mx = xb.amax(-1)
-    scale = (mx - mn) / levels                                # [N, 8]
-    mins = -mn
+    scale, mins = _affine_fit(xb, levels)                       # [N, 8]
     d16 = (scale.amax(-1) / 63).clamp(max=F16_MAX).half().float()
     dmin16 = (mins.amax(-1) / 63).clamp(max=F16_MAX).half().float()
     sc = torch.round(scale * safe_inverse(d16)[:, None]).clamp(0, 63)

@@ -17,7 +17,9 @@ import torch
 from .. import __version__
 from ..io_engine import crc32c
 from . import format as fmt
-from ..quant.floats import BY_DTYPE_NAME
+from ..quant import get_encoding
+from ..quant.floats import BY_DTYPE_NAME, DTYPE_NAME
+from ..quant.presets import PRESETS, expert_encodings, with_fallback
 from .checkpoint import (TORCH_DTYPES, TORCH_NAMES, CheckpointError, HFCheckpoint,
                          StreamingSafetensorsWriter)
 
@@ -47,9 +49,12 @@ def _progress(total_bytes: int, enabled: bool):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progress: bool = True) -> fmt.Manifest:
+def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progress: bool = True,
+         quant: str | None = None) -> fmt.Manifest:
     """Pack ``hf_dir`` into ``out_dir``; returns the manifest. ``dtype`` (float32, float16,
-    bfloat16) converts the routed experts; by default they keep the checkpoint's dtype."""
+    bfloat16) converts the routed experts; by default they keep the checkpoint's dtype. ``quant``
+    (a preset of :mod:`lean_qwenflash.quant.presets`: q4_k_m, q4_k, q5_k, q6_k, q8_0, bf16, ...)
+    encodes them instead; projections a block encoding cannot hold stay in the float dtype."""
     ckpt = HFCheckpoint(hf_dir)
     out_dir = Path(out_dir).resolve()
     if out_dir.exists() and not force:
@@ -59,16 +64,28 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     ckpt.check_experts()
     if dtype is not None and dtype not in TORCH_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}; got {dtype!r}")
+    if quant is not None and quant not in PRESETS:
+        raise ValueError(f"--quant must be one of {', '.join(PRESETS)}; got {quant!r}")
     expert_dtype = TORCH_DTYPES[dtype] if dtype else ckpt.expert_dtype()
+    float_encoding = BY_DTYPE_NAME[TORCH_NAMES[expert_dtype]]
+    if quant in DTYPE_NAME and dtype and quant != float_encoding:
+        raise ValueError(f"--quant {quant} and --dtype {dtype} disagree; give one of them")
 
     num_experts, _, hidden, inter = ckpt.expert_dims()
-    layers, offset, first = [], 0, 0
-    for layer_idx in ckpt.moe_layers():
-        rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, BY_DTYPE_NAME[TORCH_NAMES[expert_dtype]],
-                               offset, first)
+    shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    layers, offset, first, fallbacks = [], 0, 0, {}
+    moe_layers = ckpt.moe_layers()
+    for i, layer_idx in enumerate(moe_layers):
+        encodings = expert_encodings(quant, i, len(moe_layers)) if quant else \
+            {"gate_up": float_encoding, "down": float_encoding}
+        encodings, why = with_fallback(encodings, shapes, float_encoding)
+        for n in why:
+            fallbacks.setdefault(n, []).append(layer_idx)
+        rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, encodings, offset, first)
         layers.append(rec)
         offset += rec.num_experts * rec.record_bytes
         first += rec.num_experts
+    notes = [f"{why} (layers {', '.join(map(str, ls))})" for why, ls in fallbacks.items()]
     resident = sorted(ckpt.resident_keys.items())
     resident_bytes = sum(ckpt.nbytes(k) for _, k in resident)
     bar = _progress(offset + resident_bytes, progress)
@@ -85,10 +102,11 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         for rec in layers:
             buf = bytearray(rec.record_bytes)  # zero padding stays zero; tensors overwrite the rest
             view = memoryview(buf)
+            encoders = [get_encoding(slot.encoding) for slot in rec.tensors]
             for e in range(rec.num_experts):
                 gate_up, down = ckpt.expert(rec.layer_idx, e)
-                for slot, t in zip(rec.tensors, (gate_up, down)):
-                    data = t.to(expert_dtype).contiguous().view(torch.uint8).reshape(-1).numpy()
+                for slot, enc, t in zip(rec.tensors, encoders, (gate_up, down)):
+                    data = enc.quantize(t).contiguous().view(torch.uint8).reshape(-1).numpy()
                     view[slot.offset:slot.offset + slot.nbytes] = data
                 crcs.append(crc32c(buf))
                 f.write(buf)
@@ -118,7 +136,7 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
 
     manifest = fmt.Manifest(architecture=ckpt.names.architecture, family=ckpt.names.family, config=ckpt.config,
                             layers=layers, experts_bytes=offset, tokenizer_files=copied,
-                            created_by=f"lean-qwenflash {__version__}",
+                            created_by=f"lean-qwenflash {__version__}", notes=notes,
                             resident=[fmt.ResidentTensor(canon, tuple(shape), BY_DTYPE_NAME[TORCH_NAMES[dt]],
                                                          ckpt.nbytes(k))
                                       for (canon, shape, dt), (_, k) in zip(entries, resident)])

@@ -1,0 +1,197 @@
+"""Encodings and native kernels: our dequantizers equal gguf's bit for bit, quantization error stays
+within each format's bounds, and every kernel path (scalar, AVX2, AVX-512, torch) computes the
+product of the dequantized weights within a stated tolerance."""
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+from lean_qwenflash.models import kernels, native  # noqa: E402
+from lean_qwenflash.quant import ENCODINGS, QuantTensor, get_encoding  # noqa: E402
+from lean_qwenflash.experts.provider import ExpertWeights  # noqa: E402
+
+BLOCK = [n for n, e in ENCODINGS.items() if not e.is_float]
+ALL = list(ENCODINGS)
+# where each format keeps its f16 fields (byte offsets in a block)
+F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+# quantize -> dequantize relative RMS error on Gaussian weights, with margin over what we measure
+# (q8_0 .0054, q4_0 .089, q4_k .074, q5_k .037, q6_k .019)
+REL_RMS_BOUND = {"f32": 0.0, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.008, "q4_0": 0.11, "q4_k": 0.09,
+                 "q5_k": 0.045, "q6_k": 0.024}
+
+
+def _gguf(raw: torch.Tensor, enc) -> np.ndarray:
+    return gguf_dequantize(raw.numpy(), gguf.GGMLQuantizationType(enc.ggml_type)).reshape(raw.shape[0], -1)
+
+
+def _random_blocks(enc, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random block bytes with f16 scales drawn from edge values: zero, subnormals, +-max, tiny, 1."""
+    raw = torch.randint(0, 256, (rows, enc.row_bytes(cols)), dtype=torch.uint8, generator=gen)
+    blocks = raw.view(-1, enc.block_bytes)
+    edges = torch.tensor([0.0, 6e-8, -6e-8, 6.1e-5, 65504.0, -65504.0, 1.0, -0.5, 1e-3, 3.14], dtype=torch.float16)
+    for off in F16_FIELDS[enc.name]:
+        pick = edges[torch.randint(0, len(edges), (blocks.shape[0],), generator=gen)]
+        blocks[:, off:off + 2] = pick.view(torch.uint8).view(-1, 2)
+    return raw
+
+
+@pytest.mark.parametrize("name", BLOCK)
+def test_dequantize_equals_gguf_on_random_and_edge_blocks(name):
+    enc = ENCODINGS[name]
+    gen = torch.Generator().manual_seed(7)
+    cols = enc.block_size * 3
+    raw = _random_blocks(enc, 11, cols, gen)
+    ours = enc.dequantize(raw, cols).numpy()
+    ref = _gguf(raw, enc)
+    assert np.isfinite(ref).all()
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))     # same bits, -0.0 included
+    # the native exact dequantizer too
+    out = torch.empty(11, cols)
+    native.dequantize_into(QuantTensor(raw, enc, (11, cols)), out)
+    assert np.array_equal(out.numpy().view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_quantize_round_trip_within_bounds_and_equals_gguf(name):
+    enc = ENCODINGS[name]
+    gen = torch.Generator().manual_seed(3)
+    cols = 512
+    x = torch.randn(9, cols, generator=gen) * 0.02
+    x[0] = 0.0                                  # an all-zero row: scales of zero must not give NaN
+    x[1, :32] *= 1000                           # one block of outliers
+    raw = enc.quantize(x)
+    assert raw.dtype == torch.uint8 and raw.shape == (9, enc.row_bytes(cols))
+    y = enc.dequantize(raw, cols)
+    assert torch.isfinite(y).all() and torch.equal(y[0], torch.zeros(cols))
+    assert np.array_equal(y.numpy(), _gguf(raw, enc))
+    rel = ((y[2:] - x[2:]).norm() / x[2:].norm()).item()
+    assert rel <= REL_RMS_BOUND[name], rel
+    if name == "q8_0":   # exact bound: half a step of each block's scale (plus the f16 rounding of it)
+        step = x.view(-1, 32).abs().amax(-1, keepdim=True) / 127
+        assert ((y - x).view(-1, 32).abs() <= step * 0.5 * 1.01 + 1e-9).all()
+
+
+def test_encoding_errors_name_the_problem():
+    enc = get_encoding("q4_k")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        enc.row_bytes(100)
+    with pytest.raises(ValueError, match="unknown encoding 'q3_x'"):
+        get_encoding("q3_x")
+    with pytest.raises(ValueError, match="uint8 rows of 144 bytes"):
+        enc.dequantize(torch.zeros(2, 100, dtype=torch.uint8), 256)
+
+
+def _quantized_act(x: torch.Tensor) -> torch.Tensor:
+    """What the native kernels multiply with for block encodings: x in int8 blocks of 32."""
+    xb = x.float().view(-1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    return (torch.round(xb * inv).clamp(-127, 127) * d).view(-1)
+
+
+def _weight(name: str, rows: int, cols: int, gen) -> tuple:
+    enc = ENCODINGS[name]
+    w = torch.randn(rows, cols, generator=gen) * 0.05
+    if enc.is_float:
+        t = w.to(enc.torch_dtype)
+        return t, t.float()
+    raw = enc.quantize(w)
+    return QuantTensor(raw, enc, (rows, cols)), enc.dequantize(raw, cols)
+
+
+def _shapes(name):
+    block = ENCODINGS[name].block_size
+    if block == 1:
+        return [(1, 1), (7, 33), (67, 100), (33, 515)]
+    return [(1, block), (2, 3 * block), (33, 2 * block), (67, 5 * block if block == 32 else block)]
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("name", ALL)
+def test_gemv_every_isa_matches_dequantized_product(isa, name):
+    """Tolerances: float rows multiply fp32 activations (fp32 rounding only: 1e-5 of the row's
+    |w|.|x|); block rows multiply int8-quantized activations, compared to that exact product (1e-5),
+    and to the fp32 product within the activations' quantization error (2% of |w|.|x|)."""
+    gen = torch.Generator().manual_seed(11)
+    for rows, cols in _shapes(name):
+        weight, deq = _weight(name, rows, cols, gen)
+        x = torch.randn(cols, generator=gen)
+        out = native.gemv(weight, x, isa=isa, threads=2).double()
+        scale = (deq.double().abs() @ x.double().abs()) + 1e-12
+        exact = deq.double() @ x.double()
+        if ENCODINGS[name].is_float:
+            assert ((out - exact).abs() / scale).max() < 1e-5
+        else:
+            with_qact = deq.double() @ _quantized_act(x).double()
+            assert ((out - with_qact).abs() / scale).max() < 1e-5, (rows, cols)
+            assert ((out - exact).abs() / scale).max() < 2e-2, (rows, cols)
+
+
+@pytest.mark.parametrize("name", BLOCK + ["bf16"])
+def test_simd_paths_agree_with_scalar(name):
+    gen = torch.Generator().manual_seed(5)
+    weight, deq = _weight(name, 40, 2 * ENCODINGS[name].block_size * 4 if name != "bf16" else 1000, gen)
+    x = torch.randn(weight.shape[1], generator=gen)
+    ref = native.gemv(weight, x, isa="scalar", threads=1)
+    scale = deq.abs() @ x.abs()
+    for isa in native.ISAS:
+        assert ((native.gemv(weight, x, isa=isa, threads=2) - ref).abs() / scale).max() < 1e-5, isa
+
+
+def test_isa_refusal_and_bad_shapes_are_clear():
+    weight, _ = _weight("q4_k", 4, 256, torch.Generator().manual_seed(0))
+    with pytest.raises(Exception, match="unknown isa 'sse9'"):
+        native.gemv(weight, torch.zeros(256), isa="sse9")
+    with pytest.raises(ValueError, match="x has 100 values"):
+        native.gemv(weight, torch.zeros(100))
+    for isa in ("avx2", "avx512"):
+        if isa not in native.ISAS:
+            with pytest.raises(Exception, match="this CPU lacks"):
+                native.gemv(weight, torch.zeros(256), isa=isa)
+
+
+def _experts(gate_up: str, down: str, num: int, hidden: int, inter: int, gen):
+    out, ref = [], []
+    for _ in range(num):
+        gu, gu_f = _weight(gate_up, 2 * inter, hidden, gen)
+        dn, dn_f = _weight(down, hidden, inter, gen)
+        out.append(ExpertWeights(gu, dn))
+        ref.append((gu_f, dn_f))
+    return out, ref
+
+
+def _torch_moe(x, ref, weights):
+    out = torch.zeros(x.shape[-1], dtype=torch.float64)
+    for (gu, dn), w in zip(ref, weights):
+        h = gu.double() @ x.double().view(-1)
+        inter = dn.shape[1]
+        out += w * (dn.double() @ (torch.nn.functional.silu(h[:inter]) * h[inter:]))
+    return out
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("gate_up,down,num", [("q4_k", "q6_k", 8), ("q8_0", "q8_0", 3), ("q5_k", "q4_k", 1),
+                                              ("q4_0", "q8_0", 2), ("bf16", "bf16", 4), ("f32", "f16", 2)])
+def test_moe_decode_matches_torch_reference(isa, gate_up, down, num):
+    gen = torch.Generator().manual_seed(num)
+    hidden, inter = 256, 256 if "k" in gate_up + down else 96
+    experts, ref = _experts(gate_up, down, num, hidden, inter, gen)
+    weights = torch.rand(num, generator=gen).tolist()
+    x = torch.randn(1, hidden, generator=gen)
+    out = native.moe_decode(x, experts, weights, isa=isa, threads=2)[0].double()
+    want = _torch_moe(x, ref, weights)
+    tol = 1e-5 if ENCODINGS[gate_up].is_float and ENCODINGS[down].is_float else 3e-2
+    assert ((out - want).norm() / want.norm()).item() < tol
+    # the torch exact path computes the same product from the dequantized weights
+    exact = kernels.experts_decode(x, experts, weights, mode="exact")[0].double()
+    assert ((exact - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_moe_decode_is_independent_of_thread_count():
+    gen = torch.Generator().manual_seed(1)
+    experts, _ = _experts("q4_k", "q6_k", 8, 512, 256, gen)
+    x = torch.randn(1, 512, generator=gen)
+    runs = [native.moe_decode(x, experts, [0.3] * 8, threads=t) for t in (1, 2, 3, 2)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])

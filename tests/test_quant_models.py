@@ -1,0 +1,205 @@
+"""Quantized packs end to end: `pack --quant`, streamed == resident bit for bit (both kernel modes),
+quantized logits vs the same model with the dequantized experts in fp32, mixed encodings, the
+float fallback, v1 packs, and corrupt quantized records."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from lean_qwenflash import io_engine
+from lean_qwenflash.config import load_config
+from lean_qwenflash.experts.provider import ResidentExperts, aligned_record
+from lean_qwenflash.generate.generator import Generator
+from lean_qwenflash.generate.sampling import SamplingParams
+from lean_qwenflash.models.loader import build_model
+from lean_qwenflash.quant import QuantTensor
+from lean_qwenflash.runtime import Runtime
+from lean_qwenflash.store import ExpertStore, pack
+from lean_qwenflash.store.format import StoreError
+from lean_qwenflash.store.reader import ChecksumError
+
+hf_models = pytest.importorskip("hf_models")
+
+FAMILIES = ["qwen3_next", "qwen3_moe", "mixtral", "olmoe"]
+PRESETS = ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m"]
+ENGINES = ["uring", "pread"] if io_engine.uring_compiled() else ["pread"]
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = hf_models.prompt_ids(96, 24)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant_ckpts")
+    out = {}
+    for family in FAMILIES:
+        model, _ = hf_models.make_hf_model(family, "quant")
+        out[family] = hf_models.save_checkpoint(model, str(root / family))
+    return out
+
+
+@pytest.fixture(scope="module")
+def packs(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant_packs")
+    made = {}
+
+    def get(family, preset):
+        if (family, preset) not in made:
+            made[family, preset] = root / f"{family}-{preset}"
+            pack(checkpoints[family], made[family, preset], quant=preset, progress=False)
+        return made[family, preset]
+    return get
+
+
+def _run(cfg, resident=False):
+    with Runtime.open(cfg, resident_experts=resident) as rt:
+        logits = rt.model(PROMPT)
+        tokens = list(Generator(rt.model).generate(PROMPT[0].tolist(), GREEDY, 12))
+        stats = rt.stats()
+    return logits, tokens, stats
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_streamed_equals_resident_bit_for_bit(family, preset, packs):
+    path = packs(family, preset)
+    with ExpertStore.open(path) as store:
+        encodings = {t.encoding for l in store.manifest.layers for t in l.tensors}
+        assert encodings <= {"q4_k", "q6_k"} if preset == "q4_k_m" else encodings == {preset}
+        slot = store.max_record_bytes
+        total = store.manifest.num_records
+    with ExpertStore.open(path) as store:
+        top_k = int(store.config["num_experts_per_tok"])
+    for mode in ("exact", "fast"):
+        ref_logits, ref_tokens, _ = _run(load_config(model=str(path), expert_kernels=mode), resident=True)
+        for budget, prefetch, engine in [(top_k * slot, True, ENGINES[0]), (max(top_k, total // 4) * slot, False, ENGINES[-1])]:
+            logits, tokens, stats = _run(load_config(model=str(path), expert_kernels=mode, host_cache_bytes=budget,
+                                                     prefetch=prefetch, io_engine=engine))
+            assert torch.equal(logits, ref_logits), (mode, budget, prefetch, engine)
+            assert tokens == ref_tokens
+            assert stats["total"]["misses"] > 0      # it really streamed
+
+
+def _dequantized_reference(path):
+    """The pack's model with every expert dequantized to fp32 and held as float tensors."""
+    with ExpertStore.open(path) as store:
+        experts = store.load_all_experts()
+        layers = {l: [aligned_record(*(t.dequantize() if isinstance(t, QuantTensor) else t.float() for t in w))
+                      for w in ws] for l, ws in experts.layers.items()}
+        return build_model(store.config, store.load_resident(), ResidentExperts(layers))
+
+
+def _token_by_token(model):
+    from lean_qwenflash.generate.state import new_state
+    state = new_state(model)
+    return torch.cat([model(PROMPT[:, i:i + 1], state) for i in range(PROMPT.shape[1])], dim=1)
+
+
+def _kl(ref, other) -> float:
+    p, q = ref.log_softmax(-1), other.log_softmax(-1)
+    return (p.exp() * (p - q)).sum(-1).mean().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_logits_match_the_dequantized_fp32_model(family, packs):
+    """Exact kernels on a quantized pack compute what the fp32 model with the dequantized experts
+    computes; fast kernels (int8 activations) cost far less than the weight quantization itself."""
+    float_logits = {}
+    with Runtime.open(load_config(model=str(packs(family, None)), expert_kernels="exact"), resident_experts=True) as rt:
+        float_logits = _token_by_token(rt.model)
+    for preset in ("q4_k_m", "q8_0"):
+        path = packs(family, preset)
+        ref = _dequantized_reference(path)
+        ref.set_expert_kernels("exact")
+        with Runtime.open(load_config(model=str(path), expert_kernels="exact"), resident_experts=True) as rt:
+            torch.testing.assert_close(rt.model(PROMPT), ref(PROMPT), rtol=1e-4, atol=1e-5)
+            exact = _token_by_token(rt.model)
+            rt.model.set_expert_kernels("fast")
+            fast = _token_by_token(rt.model)
+        weight_cost, act_cost = _kl(float_logits, exact), _kl(exact, fast)
+        if preset == "q4_k_m":
+            # measured: 20x to 300x below (KL 2e-5..4e-4 against 3e-3..2e-2)
+            assert act_cost < weight_cost / 4, (act_cost, weight_cost)
+        # q8_0 weights cost so little that a router flip between the modes dominates (qwen3_next:
+        # KL 1.6e-3, 21/24 argmax agree); bound it absolutely
+        assert act_cost < 5e-3, act_cost
+
+
+def test_mixed_records_and_summary(packs, checkpoints):
+    path = packs("qwen3_moe", "q4_k_m")
+    doc = json.loads((path / "manifest.json").read_text())
+    assert doc["version"] == 2
+    downs = [next(t for t in l["tensors"] if t["name"] == "down")["encoding"] for l in doc["layers"]]
+    gate_ups = {next(t for t in l["tensors"] if t["name"] == "gate_up")["encoding"] for l in doc["layers"]}
+    assert gate_ups == {"q4_k"} and "q6_k" in downs
+    for l in doc["layers"]:
+        for t in l["tensors"]:
+            assert t["nbytes"] == {"q4_k": 144, "q6_k": 210}[t["encoding"]] * t["shape"][0] * t["shape"][1] // 256
+    assert all(t["encoding"] == "f32" for t in doc["resident"])
+    bf16 = ExpertStore.open(packs("qwen3_moe", "q8_0"))
+    q4 = ExpertStore.open(path)
+    assert q4.manifest.experts_bytes < bf16.manifest.experts_bytes
+    bf16.close(), q4.close()
+
+
+def test_rows_a_block_cannot_hold_fall_back_to_float(tmp_path):
+    c = hf_models.case("qwen3_moe")            # hidden 48, expert width 24: not multiples of 256
+    m = pack(c.path, tmp_path / "p", quant="q4_k", progress=False)
+    assert {t.encoding for l in m.layers for t in l.tensors} == {"f32"}
+    assert any("not a multiple of q4_k's block of 256; stored as f32" in n for n in m.notes)
+    m = pack(c.path, tmp_path / "q", quant="q8_0", progress=False)   # 48 = 32 + 16: still float
+    assert any("q8_0" in n for n in m.notes)
+    with pytest.raises(ValueError, match="--quant must be one of"):
+        pack(c.path, tmp_path / "r", quant="q3_k", progress=False)
+    assert not (tmp_path / "r").exists() and not (tmp_path / "r.tmp").exists()
+
+
+def test_v1_pack_still_opens_with_identical_output(tmp_path):
+    c = hf_models.case("mixtral")
+    new = tmp_path / "v2"
+    pack(c.path, new, progress=False)
+    old = tmp_path / "v1"
+    shutil.copytree(new, old)
+    doc = json.loads((old / "manifest.json").read_text())
+    doc["version"] = 1
+    doc.pop("resident"), doc.pop("notes")
+    for l in doc["layers"]:
+        for t in l["tensors"]:
+            t["dtype"] = {"f32": "float32"}[t.pop("encoding")]
+            t.pop("nbytes")
+    (old / "manifest.json").write_text(json.dumps(doc))
+    outs = []
+    for p in (new, old):
+        with Runtime.open(load_config(model=str(p))) as rt:
+            outs.append(rt.model(c.prompt))
+            assert rt.store.manifest.version == (1 if p == old else 2)
+    assert torch.equal(*outs)
+
+
+def test_v2_manifest_with_unknown_encoding_or_wrong_size_is_refused(packs, tmp_path):
+    src = packs("olmoe", "q6_k")
+    for change, words in [(("encoding", "q9_z"), "encoding 'q9_z', which this lean-qwenflash does not know"),
+                          (("nbytes", 12), "says 12 bytes but q6_k")]:
+        p = tmp_path / change[0]
+        shutil.copytree(src, p)
+        doc = json.loads((p / "manifest.json").read_text())
+        doc["layers"][0]["tensors"][1][change[0]] = change[1]
+        (p / "manifest.json").write_text(json.dumps(doc))
+        with pytest.raises(StoreError, match=words):
+            ExpertStore.open(p)
+
+
+def test_corrupt_quantized_record_fails_its_checksum(packs, tmp_path):
+    p = tmp_path / "corrupt"
+    shutil.copytree(packs("qwen3_next", "q4_k_m"), p)
+    with ExpertStore.open(p) as store:
+        rec = store.manifest.layers[1]
+        at = rec.offset(5) + rec.tensors[1].offset + 7
+    with open(p / "experts.bin", "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    with ExpertStore.open(p) as store:
+        with pytest.raises(ChecksumError, match=f"layer {rec.layer_idx} expert 5 failed its checksum"):
+            store.read_expert(rec.layer_idx, 5)
