@@ -58,6 +58,14 @@ void dequantize_row(int enc, const uint8_t* row, int cols, float* out);
 
 float fp16_to_fp32(uint16_t h);
 
+// Software prefetch of the bytes a loop iteration will read PREFETCH_BYTES from now: decode reads
+// weights once, from DRAM, and the dot products' dependency chains keep the out-of-order window
+// from running far enough ahead on its own (q4_k from DRAM, one thread: 5.2 -> 10.7 GB/s).
+constexpr int PREFETCH_BYTES = 2048;
+inline void prefetch_ahead(const uint8_t* p, int bytes) {
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + PREFETCH_BYTES + l, 0, 3);
+}
+
 // Block-field readers shared by the kernels (little-endian, unaligned).
 inline uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 

@@ -36,6 +36,7 @@ float dot_f32(const uint8_t* row, const Act& a, int cols) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= cols; i += 16) {
+        prefetch_ahead(row + 4 * i, 64);
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(a.x + i), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(a.x + i + 8), acc1);
     }
@@ -52,6 +53,7 @@ float dot_bf16(const uint8_t* row, const Act& a, int cols) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= cols; i += 16) {
+        prefetch_ahead(row + 2 * i, 32);
         acc0 = _mm256_fmadd_ps(bf16x8(row + 2 * i), _mm256_loadu_ps(a.x + i), acc0);
         acc1 = _mm256_fmadd_ps(bf16x8(row + 2 * i + 16), _mm256_loadu_ps(a.x + i + 8), acc1);
     }
@@ -69,6 +71,7 @@ float dot_f16(const uint8_t* row, const Act& a, int cols) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int i = 0;
     for (; i + 16 <= cols; i += 16) {
+        prefetch_ahead(row + 2 * i, 32);
         acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i))),
                                _mm256_loadu_ps(a.x + i), acc0);
         acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i + 16))),
@@ -82,6 +85,7 @@ float dot_f16(const uint8_t* row, const Act& a, int cols) {
 float dot_q8_0(const uint8_t* row, const Act& a, int cols) {
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < cols / 32; ++b, row += 34) {
+        prefetch_ahead(row, 34);
         const __m256i s = dot_s8s8(loadu(row + 2), loadu(a.q8.q + 32 * b));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(row) * a.q8.d[b]), acc);
     }
@@ -92,6 +96,7 @@ float dot_q4_0(const uint8_t* row, const Act& a, int cols) {
     const __m128i m4 = _mm_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < cols / 32; ++b, row += 18) {
+        prefetch_ahead(row, 18);
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2));
         __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
         w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
@@ -109,6 +114,7 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += BB) {
+        prefetch_ahead(row, BB);
         uint8_t sc[8], m[8];
         for (int j = 0; j < 8; ++j) scale_min_k4(j, row + 4, sc + j, m + j);
         const float* da = a.q8.d + 8 * b;
@@ -147,6 +153,7 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
     __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += 210) {
+        prefetch_ahead(row, 210);
         const float d = h2f(row + 208);
         const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
         for (int n = 0; n < 2; ++n) {

@@ -34,6 +34,7 @@ float dot_f32(const uint8_t* row, const Act& a, int cols) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 <= cols; i += 32) {
+        prefetch_ahead(row + 4 * i, 128);
         acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(a.x + i), acc0);
         acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(a.x + i + 16), acc1);
     }
@@ -50,6 +51,7 @@ float dot_bf16(const uint8_t* row, const Act& a, int cols) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 <= cols; i += 32) {
+        prefetch_ahead(row + 2 * i, 64);
         acc0 = _mm512_fmadd_ps(bf16x16(row + 2 * i), _mm512_loadu_ps(a.x + i), acc0);
         acc1 = _mm512_fmadd_ps(bf16x16(row + 2 * i + 32), _mm512_loadu_ps(a.x + i + 16), acc1);
     }
@@ -67,6 +69,7 @@ float dot_f16(const uint8_t* row, const Act& a, int cols) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int i = 0;
     for (; i + 32 <= cols; i += 32) {
+        prefetch_ahead(row + 2 * i, 64);
         acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(loadu256(row + 2 * i)), _mm512_loadu_ps(a.x + i), acc0);
         acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(loadu256(row + 2 * i + 32)), _mm512_loadu_ps(a.x + i + 16), acc1);
     }
@@ -80,6 +83,7 @@ float dot_q8_0(const uint8_t* row, const Act& a, int cols) {
     const int nb = cols / 32;
     int b = 0;
     for (; b + 2 <= nb; b += 2, row += 68) {
+        prefetch_ahead(row, 68);
         const __m512i s = dot_s8s8(join(loadu256(row + 2), loadu256(row + 36)), loadu(a.q8.q + 32 * b));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + 34) * a.q8.d[b + 1]), acc);
     }
@@ -106,6 +110,7 @@ float dot_q4_0(const uint8_t* row, const Act& a, int cols) {
     const int nb = cols / 32;
     int b = 0;
     for (; b + 2 <= nb; b += 2, row += 36) {
+        prefetch_ahead(row, 36);
         const __m512i s = dot_s8s8(join(q4_0_block(row), q4_0_block(row + 18)), loadu(a.q8.q + 32 * b));
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + 18) * a.q8.d[b + 1]), acc);
     }
@@ -129,6 +134,7 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     __m512 acc = _mm512_setzero_ps();
     __m256 accm = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += BB) {
+        prefetch_ahead(row, BB);
         uint8_t sc[8], m[8];
         for (int j = 0; j < 8; ++j) scale_min_k4(j, row + 4, sc + j, m + j);
         const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
@@ -169,6 +175,7 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512 acc = _mm512_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += 210) {
+        prefetch_ahead(row, 210);
         const float d = h2f(row + 208);
         const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
         for (int n = 0; n < 2; ++n) {

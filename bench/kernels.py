@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Decode-shape kernel bandwidth: GB/s of weights streamed per encoding, next to torch on bf16.
+
+For each encoding, matrices of --rows x --cols are made (random blocks with a fixed normal f16
+scale: speed does not depend on the values) until they cover --working-gib, far beyond the
+last-level cache, and one-row products are run over them in rotation, so every byte comes from
+DRAM. Measured in the same run, on the same threads:
+
+* DRAM read bandwidth (torch sum of a --working-gib fp32 buffer): the ceiling;
+* torch bf16 one-row F.linear (a GEMV on one core) and our kernels.linear row split, on the same
+  bf16 matrices: today's bf16 decode path;
+* our native kernels (csrc/) for every encoding at every ISA this CPU has, 1 and 2 threads;
+* one fused MoE layer call (moe_decode: 8 experts of a Qwen3-30B-A3B-sized layer, H 2048,
+  I 768) per encoding, against the exact path (dequantize + torch) on the same experts.
+
+Goal (issue: quantized experts): q4_k decode at >= 70% of the DRAM read bandwidth.
+Prints a table and writes JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lean_qwenflash.experts.provider import ExpertWeights  # noqa: E402
+from lean_qwenflash.models import kernels, native  # noqa: E402
+from lean_qwenflash.quant import ENCODINGS, QuantTensor  # noqa: E402
+
+F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+
+
+def random_weight(name: str, rows: int, cols: int, gen: torch.Generator):
+    enc = ENCODINGS[name]
+    if enc.is_float:
+        return (torch.randn(rows, cols, generator=gen) * 0.02).to(enc.torch_dtype)
+    raw = torch.randint(0, 256, (rows, enc.row_bytes(cols)), dtype=torch.uint8, generator=gen)
+    blocks = raw.view(-1, enc.block_bytes)
+    scale = torch.tensor([1e-3], dtype=torch.float16).view(torch.uint8)
+    for off in F16_FIELDS[name]:
+        blocks[:, off:off + 2] = scale
+    if name == "q6_k":   # int8 sub-block scales: keep them small and positive
+        blocks[:, 192:208] = 1
+    return QuantTensor(raw, enc, (rows, cols))
+
+
+def nbytes(w) -> int:
+    return w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size()
+
+
+def best_rate(fn, total_bytes: int, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return total_bytes / best / 1e9
+
+
+def dram_read_gbs(gib: float, threads: int, repeats: int) -> float:
+    torch.set_num_threads(threads)
+    buf = torch.ones(int(gib * 2**30) // 4)
+    return best_rate(lambda: buf.sum(), buf.numel() * 4, repeats)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--working-gib", type=float, default=1.5, help="weights per encoding (>> last-level cache)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--encodings", default="bf16,q8_0,q4_0,q4_k,q5_k,q6_k")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "kernels.json"))
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    threads_list = (1, 2)
+    results = {"rows": args.rows, "cols": args.cols, "working_gib": args.working_gib, "isas": native.ISAS,
+               "dram_gbs": {}, "gemv": [], "moe_layer": []}
+    for t in threads_list:
+        results["dram_gbs"][t] = dram_read_gbs(args.working_gib, t, args.repeats)
+    x = torch.randn(args.cols, generator=gen)
+
+    for name in args.encodings.split(","):
+        one = nbytes(random_weight(name, args.rows, args.cols, gen))
+        count = max(2, int(args.working_gib * 2**30 // one))
+        mats = [random_weight(name, args.rows, args.cols, gen) for _ in range(count)]
+        total = one * count
+        for t in threads_list:
+            row = {"encoding": name, "threads": t, "bytes": total}
+            if name == "bf16":
+                torch.set_num_threads(t)
+                xb = x.to(torch.bfloat16).view(1, -1)
+                row["torch_f_linear"] = best_rate(lambda: [F.linear(xb, m) for m in mats], total, args.repeats)
+                row["torch_split"] = best_rate(lambda: [kernels.linear(xb, m) for m in mats], total, args.repeats)
+            for isa in native.ISAS:
+                row[isa] = best_rate(lambda: [native.gemv(m, x, isa=isa, threads=t) for m in mats], total, args.repeats)
+            results["gemv"].append(row)
+            print(f"  {name} {t}t: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if isinstance(v, float)),
+                  file=sys.stderr)
+        del mats
+
+    # One MoE layer call: 8 experts of H 2048, I 768, from a pool of experts far beyond the cache.
+    hidden, inter, top_k = 2048, 768, 8
+    for name in args.encodings.split(","):
+        one = nbytes(random_weight(name, 2 * inter, hidden, gen)) + nbytes(random_weight(name, hidden, inter, gen))
+        pool = [ExpertWeights(random_weight(name, 2 * inter, hidden, gen), random_weight(name, hidden, inter, gen))
+                for _ in range(max(top_k * 2, int(args.working_gib * 2**30 // one)))]
+        groups = [pool[i:i + top_k] for i in range(0, len(pool) - top_k + 1, top_k)]
+        xs = torch.randn(1, hidden, generator=gen)
+        x_c = xs.to(ENCODINGS[name].torch_dtype) if ENCODINGS[name].is_float else xs
+        w = [1.0 / top_k] * top_k
+        for t in threads_list:
+            torch.set_num_threads(t)
+            layer_bytes = one * top_k
+
+            def run(mode):
+                t0 = time.perf_counter()
+                for g in groups:
+                    kernels.experts_decode(x_c, g, w, mode=mode)
+                return (time.perf_counter() - t0) / len(groups)
+            run("fast")
+            fast = min(run("fast") for _ in range(args.repeats))
+            exact = min(run("exact") for _ in range(max(1, args.repeats // 2)))
+            results["moe_layer"].append({"encoding": name, "threads": t, "layer_bytes": layer_bytes,
+                                         "fast_ms": fast * 1e3, "exact_ms": exact * 1e3,
+                                         "fast_gbs": layer_bytes / fast / 1e9})
+        del pool, groups
+
+    dram = results["dram_gbs"]
+    print(f"\nDRAM read (torch sum of {args.working_gib} GiB fp32): " +
+          ", ".join(f"{t} thread{'s' if t > 1 else ''} {dram[t]:.1f} GB/s" for t in threads_list))
+    print(f"\none-row product, {args.rows} x {args.cols} matrices rotated over {args.working_gib} GiB; GB/s of weights "
+          "(and % of DRAM read at the same thread count)")
+    cols = ["torch_f_linear", "torch_split"] + native.ISAS
+    print(f"{'encoding':9s} {'thr':>3s} " + " ".join(f"{c:>15s}" for c in cols))
+    for row in results["gemv"]:
+        cells = []
+        for c in cols:
+            v = row.get(c)
+            cells.append(f"{v:6.1f} ({100 * v / dram[row['threads']]:3.0f}%)" if v else f"{'-':>15s}")
+        print(f"{row['encoding']:9s} {row['threads']:>3d} " + " ".join(f"{c:>15s}" for c in cells))
+    print(f"\none MoE layer, one token: {top_k} experts x (gate_up [{2 * inter}, {hidden}] + down [{hidden}, {inter}])")
+    print(f"{'encoding':9s} {'thr':>3s} {'MiB':>6s} {'fast ms':>8s} {'exact ms':>9s} {'speed-up':>9s} {'fast GB/s':>10s}")
+    for r in results["moe_layer"]:
+        print(f"{r['encoding']:9s} {r['threads']:>3d} {r['layer_bytes'] / 2**20:6.1f} {r['fast_ms']:8.3f} "
+              f"{r['exact_ms']:9.3f} {r['exact_ms'] / r['fast_ms']:8.1f}x {r['fast_gbs']:10.1f}")
+    q4 = [r for r in results["gemv"] if r["encoding"] == "q4_k" and r["threads"] == 2]
+    if q4:
+        best = max(q4[0].get(i, 0) for i in native.ISAS)
+        print(f"\nq4_k, 2 threads: {best:.1f} GB/s = {100 * best / dram[2]:.0f}% of DRAM read (goal >= 70%)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
