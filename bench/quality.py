@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""What each expert encoding costs in quality: perplexity and KL divergence vs the unquantized model.
+
+For each model (a trained Hugging Face checkpoint directory) the script packs the unquantized
+reference and one pack per --presets entry, then evaluates on held-out text: Python standard
+library files that the built-in model's training script never trained on (the same seeded split
+it uses, read with its own functions).
+
+* exact kernels (dequantize exactly, torch matmul), full forward over --windows windows of
+  --window-tokens tokens: perplexity, mean KL(reference || quantized) of next-token distributions,
+  top-1 agreement with the reference;
+* fast kernels (native decode, int8 activations): token by token over the first --fast-windows
+  windows, KL(exact || fast) and KL(reference || fast) on the same positions.
+
+Models: the built-in default model (hidden 128, expert width 64: only the 32-value block formats
+q8_0 and q4_0 fit its rows; K-quants need 256 and fall back to float there, which the table says),
+and a "check model" with 256-wide rows so every encoding applies: trained by
+scripts/train_default_model.py with the arguments in CHECK_MODEL_ARGS (made on first use, ~15 min
+on one core, kept in --check-dir). Prints a table, writes JSON to --out and, with --markdown, the
+table to that file (docs/QUALITY.md is made this way).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from lean_qwenflash.chat import Tokenizer  # noqa: E402
+from lean_qwenflash.config import load_config  # noqa: E402
+from lean_qwenflash.generate.state import new_state  # noqa: E402
+from lean_qwenflash.runtime import DEFAULT_MODEL_DIR, Runtime  # noqa: E402
+from lean_qwenflash.store import ExpertStore, pack  # noqa: E402
+
+CHECK_MODEL_ARGS = ["--hidden-size", "256", "--moe-intermediate-size", "256", "--shared-expert-intermediate-size",
+                    "256", "--num-experts", "16", "--top-k", "2", "--num-layers", "4", "--max-minutes", "14",
+                    "--threads", "1", "--num-dialogues", "8000", "--seed", "0"]
+
+
+def training_script():
+    spec = importlib.util.spec_from_file_location("train_default_model", REPO / "scripts" / "train_default_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def held_out_windows(tokenizer: Tokenizer, num: int, tokens: int) -> torch.Tensor:
+    """[num, tokens] windows of held-out stdlib code (the training script's split, seed 0)."""
+    train = training_script()
+    files = train.stdlib_files(0)
+    held = train.read_code(files[:max(4, len(files) // 20)], 300_000, 30_000)
+    ids = []
+    for text in held:
+        ids += tokenizer.encode(text)
+        if len(ids) >= num * tokens:
+            break
+    if len(ids) < num * tokens:
+        raise SystemExit(f"held-out text gives only {len(ids)} tokens; lower --windows or --window-tokens")
+    return torch.tensor(ids[:num * tokens]).view(num, tokens)
+
+
+def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    p, q = ref_logits.double().log_softmax(-1), logits.double().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def nll(logits: torch.Tensor, windows: torch.Tensor) -> float:
+    logp = logits[:, :-1].double().log_softmax(-1)
+    return float(-logp.gather(-1, windows[:, 1:, None]).mean())
+
+
+def evaluate(pack_dir: Path, windows: torch.Tensor, fast_windows: int) -> dict:
+    out = {}
+    with Runtime.open(load_config(model=str(pack_dir), expert_kernels="exact"), resident_experts=True) as rt:
+        out["exact"] = torch.cat([rt.model(w[None]) for w in windows])
+        steps = {}
+        for mode in ("exact", "fast"):
+            rt.model.set_expert_kernels(mode)
+            rows = []
+            for w in windows[:fast_windows]:
+                state = new_state(rt.model)
+                rows.append(torch.cat([rt.model(w[None, i:i + 1], state) for i in range(w.numel())], dim=1))
+            steps[mode] = torch.cat(rows)
+        out["steps_exact"], out["steps_fast"] = steps["exact"], steps["fast"]
+        with ExpertStore.open(pack_dir) as store:
+            out["experts_bytes"] = store.manifest.experts_bytes
+            out["encodings"] = sorted({t.encoding for l in store.manifest.layers for t in l.tensors})
+            out["notes"] = store.manifest.notes
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--presets", default="q8_0,q6_k,q5_k_m,q5_k,q4_k_m,q4_k,q4_0")
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--window-tokens", type=int, default=256)
+    ap.add_argument("--fast-windows", type=int, default=2)
+    ap.add_argument("--check-dir", default=str(REPO / "bench" / "results" / "check_model"),
+                    help="the 256-wide check model (trained here if missing)")
+    ap.add_argument("--no-check-model", action="store_true", help="only the built-in default model")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality.json"))
+    ap.add_argument("--markdown", help="also write the table as markdown to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    models = {"default model (H 128, I 64)": DEFAULT_MODEL_DIR}
+    if not args.no_check_model:
+        check = Path(args.check_dir)
+        if not (check / "config.json").is_file():
+            print(f"training the check model into {check} (~15 min) ...", file=sys.stderr)
+            subprocess.run([sys.executable, str(REPO / "scripts" / "train_default_model.py"), *CHECK_MODEL_ARGS,
+                            "--out", str(check)], check=True)
+        models["check model (H 256, I 256)"] = check
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, hf_dir in models.items():
+            tokenizer = Tokenizer.from_dir(hf_dir)
+            windows = held_out_windows(tokenizer, args.windows, args.window_tokens)
+            t0 = time.time()
+            ref_dir = Path(tmp) / f"{len(results)}-ref"
+            pack(hf_dir, ref_dir, progress=False)
+            ref = evaluate(ref_dir, windows, args.fast_windows)
+            ref_nll = nll(ref["exact"], windows)
+            results.append({"model": label, "preset": "f32 (reference)", "encodings": ref["encodings"],
+                            "experts_bytes": ref["experts_bytes"], "ppl": float(torch.tensor(ref_nll).exp()),
+                            "kl": 0.0, "top1": 1.0, "kl_fast_vs_exact": kl(ref["steps_exact"], ref["steps_fast"]),
+                            "kl_fast_vs_ref": kl(ref["steps_exact"], ref["steps_fast"]), "notes": []})
+            for preset in args.presets.split(","):
+                d = Path(tmp) / f"{len(results)}-{preset}"
+                pack(hf_dir, d, quant=preset, progress=False)
+                r = evaluate(d, windows, args.fast_windows)
+                results.append({
+                    "model": label, "preset": preset, "encodings": r["encodings"], "experts_bytes": r["experts_bytes"],
+                    "ppl": float(torch.tensor(nll(r["exact"], windows)).exp()), "kl": kl(ref["exact"], r["exact"]),
+                    "top1": float((ref["exact"].argmax(-1) == r["exact"].argmax(-1)).float().mean()),
+                    "kl_fast_vs_exact": kl(r["steps_exact"], r["steps_fast"]),
+                    "kl_fast_vs_ref": kl(ref["steps_exact"], r["steps_fast"]), "notes": r["notes"]})
+                print(f"  {label} {preset}: ppl {results[-1]['ppl']:.3f} kl {results[-1]['kl']:.2e}", file=sys.stderr)
+            print(f"  {label}: {time.time() - t0:.0f} s", file=sys.stderr)
+
+    lines = [f"Held-out text: {args.windows} windows x {args.window_tokens} tokens of Python stdlib source the models "
+             f"never trained on. Exact kernels over all windows; fast kernels (int8 activations) token by token "
+             f"over the first {args.fast_windows} windows. KL in nats/token, vs the f32 reference unless noted.", "",
+             "| model | preset | stored encodings | experts MiB | perplexity | KL vs f32 | top-1 = f32 "
+             "| KL fast vs exact | KL fast vs f32 |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['model']} | {r['preset']} | {', '.join(r['encodings'])} | {r['experts_bytes'] / 2**20:.2f} "
+                     f"| {r['ppl']:.3f} | {r['kl']:.2e} | {100 * r['top1']:.1f}% | {r['kl_fast_vs_exact']:.2e} "
+                     f"| {r['kl_fast_vs_ref']:.2e} |")
+    table = "\n".join(lines)
+    print(table)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Write a Hugging Face checkpoint as a GGUF file llama.cpp can run (benchmarks and test oracles).
+
+Names and config keys come from :mod:`.gguf_names`. Experts are stacked per layer into GGUF's
+3-D tensors; matrices are written in ``encoding`` (bf16, f16 or f32), norms and routers in f32 (as
+llama.cpp's own converter does). The vocabulary is a stand-in (byte tokens plus numbered pieces,
+SentencePiece-style) sized to the checkpoint's ``vocab_size``: exports are driven by token ids.
+The file is streamed tensor by tensor, so a checkpoint larger than RAM exports fine.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .checkpoint import HFCheckpoint
+from . import naming
+from .gguf_names import EXPERT_KEYS, gguf_arch, hf_to_gguf_tensor
+
+_RAW = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+
+
+def _config_value(config: dict, key: str):
+    if key == "rope_theta" and key not in config:
+        return (config.get("rope_parameters") or {}).get("rope_theta")
+    return config.get(key)
+
+
+def _array(t: torch.Tensor, encoding: str) -> tuple[np.ndarray, object]:
+    import gguf
+    if encoding == "f32" or t.dim() == 1:
+        return t.float().contiguous().numpy(), None
+    if encoding == "f16":
+        return t.half().contiguous().numpy(), None
+    raw = t.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+    return raw, gguf.GGMLQuantizationType.BF16
+
+
+def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
+    """Write ``hf_dir`` to ``out_path`` (GGUF v3); returns the path."""
+    import gguf
+
+    if encoding not in _RAW:
+        raise ValueError(f"encoding must be one of {', '.join(_RAW)}; got {encoding!r}")
+    ckpt = HFCheckpoint(hf_dir)
+    arch = gguf_arch(ckpt.names.family)
+    cfg = ckpt.config
+    out_path = Path(out_path)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch.gguf_arch)
+    w.add_name(Path(hf_dir).name)
+    for hf_key, gkey in arch.config_keys.items():
+        value = _config_value(cfg, hf_key)
+        if value is None:
+            continue
+        full = f"{arch.gguf_arch}.{gkey}"
+        if isinstance(value, float):
+            w.add_float32(full, value)
+        else:
+            w.add_uint32(full, int(value))
+    if ckpt.moe_layers():
+        num_experts, top_k, _, inter = naming.expert_dims(cfg)
+        for gkey, value in zip(EXPERT_KEYS, (num_experts, top_k, inter)):
+            w.add_uint32(f"{arch.gguf_arch}.{gkey}", value)
+    if cfg.get("head_dim"):
+        w.add_uint32(f"{arch.gguf_arch}.attention.value_length", int(cfg["head_dim"]))
+    vocab = int(cfg["vocab_size"])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (vocab - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([-float(i) for i in range(vocab)])
+    w.add_token_types(types[:vocab])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+    writes = []     # (name, callable producing the array), in file order
+    for canon, key in sorted(ckpt.resident_keys.items()):
+        name = hf_to_gguf_tensor(arch, canon)
+        enc = "f32" if name.endswith("ffn_gate_inp.weight") else encoding
+        writes.append((name, lambda key=key, enc=enc: _array(ckpt.get(key), enc)))
+    num_experts = ckpt.expert_dims()[0]
+    for layer in ckpt.moe_layers():
+        def stacked(layer=layer, part=0):
+            parts = []
+            for e in range(num_experts):
+                gate_up, down = ckpt.expert(layer, e)
+                inter = gate_up.shape[0] // 2
+                parts.append((gate_up[:inter], gate_up[inter:], down)[part])
+            return _array(torch.stack(parts), encoding)
+        for part, role in enumerate(("gate", "up", "down")):
+            writes.append((f"blk.{layer}.{arch.expert_tensors[role]}", lambda layer=layer, part=part: stacked(layer, part)))
+
+    for name, make in writes:       # infos first (shapes and types), data after the header
+        arr, raw = make()
+        w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, make in writes:
+        w.write_tensor_data(make()[0])
+    w.close()
+    tmp.rename(out_path)
+    return out_path
