@@ -30,7 +30,7 @@ static bool cpu_has_avx2() {
 static bool cpu_has_avx512() {
     __builtin_cpu_init();
     return cpu_has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
 std::vector<std::string> supported_isas() {
@@ -50,7 +50,7 @@ const KernelTable& kernels_for(const std::string& isa) {
         return avx2_kernels();
     }
     if (isa == "avx512") {
-        if (!cpu_has_avx512()) throw std::invalid_argument("this CPU lacks AVX-512 F/BW/VL: use isa 'avx2', 'scalar' or 'auto'");
+        if (!cpu_has_avx512()) throw std::invalid_argument("this CPU lacks AVX-512 F/BW/VL/VNNI: use isa 'avx2', 'scalar' or 'auto'");
         return avx512_kernels();
     }
     throw std::invalid_argument("unknown isa '" + isa + "': expected auto, scalar, avx2 or avx512");
@@ -162,7 +162,11 @@ static void check_cols(int enc, int cols, const char* what) {
                                     " is not a multiple of the encoding's block of " + std::to_string(enc_block_values(enc)));
 }
 
-constexpr int ROWS_PER_TASK = 16;
+// Rows per task: contiguous runs long enough for the prefetchers (16 rows -> 64: 15.9 -> 17.3 GB/s
+// for q4_k at 2 threads), about four tasks per thread so a busy core does not hold the rest up.
+static int task_rows(int total_rows, int threads) {
+    return std::max(16, std::min(512, total_rows / (4 * std::max(1, threads))));
+}
 
 void gemv(const uint8_t* w, int enc, int rows, int cols, const float* x, float* out, int num_threads, const std::string& isa) {
     check_cols(enc, cols, "gemv");
@@ -172,9 +176,11 @@ void gemv(const uint8_t* w, int enc, int rows, int cols, const float* x, float* 
     const Act act = a.act();
     const size_t stride = enc_row_bytes(enc, cols);
     const DotFn dot = k.dot[enc];
-    pool(num_threads).run((rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
-        const int r1 = std::min(rows, (t + 1) * ROWS_PER_TASK);
-        for (int r = t * ROWS_PER_TASK; r < r1; ++r) out[r] = dot(w + r * stride, act, cols);
+    Pool& p = pool(num_threads);
+    const int step = task_rows(rows, p.size());
+    p.run((rows + step - 1) / step, [&](int t) {
+        const int r1 = std::min(rows, (t + 1) * step);
+        for (int r = t * step; r < r1; ++r) out[r] = dot(w + r * stride, act, cols);
     });
 }
 
@@ -196,10 +202,11 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
     const size_t gu_stride = enc_row_bytes(gate_up_enc, hidden);
     const DotFn dot_gu = k.dot[gate_up_enc];
     std::vector<float> h(static_cast<size_t>(num_experts) * 2 * inter);
-    const int gu_tasks_per_expert = (2 * inter + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    const int gu_step = std::min(2 * inter, task_rows(num_experts * 2 * inter, p.size()));
+    const int gu_tasks_per_expert = (2 * inter + gu_step - 1) / gu_step;
     p.run(num_experts * gu_tasks_per_expert, [&](int t) {
-        const int e = t / gu_tasks_per_expert, r0 = (t % gu_tasks_per_expert) * ROWS_PER_TASK;
-        const int r1 = std::min(2 * inter, r0 + ROWS_PER_TASK);
+        const int e = t / gu_tasks_per_expert, r0 = (t % gu_tasks_per_expert) * gu_step;
+        const int r1 = std::min(2 * inter, r0 + gu_step);
         float* he = h.data() + static_cast<size_t>(e) * 2 * inter;
         for (int r = r0; r < r1; ++r) he[r] = dot_gu(gate_up[e] + r * gu_stride, act_x, hidden);
     });
@@ -222,9 +229,10 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
     // 3. down: every output row sums its experts in order (deterministic)
     const size_t dn_stride = enc_row_bytes(down_enc, inter);
     const DotFn dot_dn = k.dot[down_enc];
-    p.run((hidden + ROWS_PER_TASK - 1) / ROWS_PER_TASK, [&](int t) {
-        const int r1 = std::min(hidden, (t + 1) * ROWS_PER_TASK);
-        for (int r = t * ROWS_PER_TASK; r < r1; ++r) {
+    const int dn_step = task_rows(hidden, p.size());
+    p.run((hidden + dn_step - 1) / dn_step, [&](int t) {
+        const int r1 = std::min(hidden, (t + 1) * dn_step);
+        for (int r = t * dn_step; r < r1; ++r) {
             float acc = 0.f;
             for (int e = 0; e < num_experts; ++e) acc += weights[e] * dot_dn(down[e] + r * dn_stride, acts[e], inter);
             out[r] = acc;

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace lqf {
 
@@ -48,7 +49,7 @@ struct KernelTable {
 
 const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();      // only call when the CPU has AVX2 + FMA + F16C
-const KernelTable& avx512_kernels();    // only call when the CPU has AVX-512 F + BW + VL
+const KernelTable& avx512_kernels();    // only call when the CPU has AVX-512 F + BW + VL + VNNI
 
 // x[n] (n % 32 == 0) -> d[n/32], q[n], s[n/32].
 void quantize_act(const float* x, int n, float* d, int8_t* q, float* s);
@@ -78,6 +79,22 @@ inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* m) {
         *sc = static_cast<uint8_t>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
         *m = static_cast<uint8_t>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
     }
+}
+
+// All eight q4_k/q5_k scales and mins at once, as 8 bytes each (byte j = sub-block j), with
+// 32-bit word operations instead of eight scale_min_k4 calls: scales 0-3 and mins 0-3 are the low
+// 6 bits of bytes 0-3 and 4-7; scales/mins 4-7 take their low 4 bits from the nibbles of bytes
+// 8-11 and their top 2 bits from the top 2 bits of bytes 0-3 / 4-7.
+inline void scale_min_k4_all(const uint8_t* s, uint64_t* sc, uint64_t* m) {
+    uint32_t w0, w1, w2;
+    std::memcpy(&w0, s, 4);
+    std::memcpy(&w1, s + 4, 4);
+    std::memcpy(&w2, s + 8, 4);
+    const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, bits45 = 0x30303030u;
+    const uint32_t sc_hi = (w2 & low4) | ((w0 >> 2) & bits45);
+    const uint32_t m_hi = ((w2 >> 4) & low4) | ((w1 >> 2) & bits45);
+    *sc = (w0 & low6) | (static_cast<uint64_t>(sc_hi) << 32);
+    *m = (w1 & low6) | (static_cast<uint64_t>(m_hi) << 32);
 }
 
 }  // namespace lqf

@@ -115,11 +115,11 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += BB) {
         prefetch_ahead(row, BB);
-        uint8_t sc[8], m[8];
-        for (int j = 0; j < 8; ++j) scale_min_k4(j, row + 4, sc + j, m + j);
+        uint64_t sc8, m8;
+        scale_min_k4_all(row + 4, &sc8, &m8);
         const float* da = a.q8.d + 8 * b;
-        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(m))));
+        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
+        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
         const __m256 eff = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf), _mm256_loadu_ps(da));
         accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), accm);
         const uint8_t* qs = row + (FIVE ? 48 : 16);
