@@ -81,7 +81,7 @@ setup(
         "prometheus-client>=0.17",
     ],
     extras_require={
-        "dev": ["pytest>=7", "gguf>=0.10", "transformers>=5.0", "openai>=1.30", "httpx>=0.27", "schemathesis>=3.30"],
+        "dev": ["pytest>=7", "gguf>=0.17", "llama-cpp-python>=0.3.30", "transformers>=5.0", "openai>=1.30", "httpx>=0.27", "schemathesis>=3.30"],
         "cuda": ["flash-linear-attention", "causal-conv1d", "flash-attn"],
         "exl3": ["exllamav3"],
     },

@@ -43,12 +43,11 @@ def model_config(experts_gib: float, layers: int) -> dict:
         "num_experts": experts, "num_experts_per_tok": 8, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": 4096,
-        "torch_dtype": "bfloat16",
     }
 
 
-def build_checkpoint(out: Path, config: dict, seed: int = 0) -> None:
-    """An HF checkpoint dir: one safetensors shard per layer, stacked expert tensors, bf16."""
+def build_checkpoint(out: Path, config: dict, seed: int = 0, dtype=None) -> None:
+    """An HF checkpoint dir: one safetensors shard per layer, stacked expert tensors, bf16 (or ``dtype``)."""
     import torch
     from safetensors.torch import save_file
     from lean_qwenflash.models.loader import family_module
@@ -57,22 +56,23 @@ def build_checkpoint(out: Path, config: dict, seed: int = 0) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
+    dtype = dtype or torch.bfloat16
     with torch.device("meta"):
         model = family_module(config).build(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
     def rand(shape, scale):
-        return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16)
+        return (torch.randn(shape, generator=gen) * scale).to(dtype)
     hidden, inter, experts = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
-        t = {k: (1 + 0.1 * torch.randn(s, generator=gen)).to(torch.bfloat16) if len(s) == 1 else rand(s, s[-1] ** -0.5)
+        t = {k: (1 + 0.1 * torch.randn(s, generator=gen)).to(dtype) if len(s) == 1 else rand(s, s[-1] ** -0.5)
              for k, s in shapes.items() if k.startswith(prefix)}
         t[prefix + "mlp.experts.gate_up_proj"] = rand((experts, 2 * inter, hidden), hidden ** -0.5)
         t[prefix + "mlp.experts.down_proj"] = rand((experts, hidden, inter), inter ** -0.5)
         save_file(t, str(out / f"layer-{layer:03d}.safetensors"))
         print(f"  checkpoint layer {layer}", file=sys.stderr, flush=True)
-    rest = {k: rand(s, 1.0 if "embed" in k else s[-1] ** -0.5) if len(s) > 1 else torch.ones(s, dtype=torch.bfloat16)
+    rest = {k: rand(s, 1.0 if "embed" in k else s[-1] ** -0.5) if len(s) > 1 else torch.ones(s, dtype=dtype)
             for k, s in shapes.items() if not k.startswith("model.layers.")}
     save_file(rest, str(out / "rest.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=1))

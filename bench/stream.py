@@ -12,6 +12,11 @@ Builds (once) a seeded random Qwen3-Next-shaped pack whose bf16 experts total --
 * without a limit: the same model with every expert in the host cache vs ResidentExperts
   (the cost of the caching machinery when nothing is read).
 
+With --quant PRESET (default q4_k_m; "none" skips it) the same model is also requantized record by
+record (resident tensors hard-linked, experts re-encoded with our quantizer) and every streamed
+run is repeated on it under the same limit and host cache: bytes per token, tok/s, fraction of
+the I/O bound, and the quantized/bf16 tok/s ratio (goal of the quantized-experts issue: >= 3x).
+
 Skewed routing: each router row e is multiplied by s_e = 1 + 7 * (rank_e + 1) ** -1.2, with a
 seeded random rank permutation per layer. Large rows produce large logits, so a few experts per
 layer win top-k for a large share of tokens (a Zipf-like popularity, as measured on real MoEs),
@@ -125,6 +130,50 @@ def skew_pack(src: Path, out: Path, seed: int = 1) -> None:
     (out / fmt.MANIFEST).write_text((src / fmt.MANIFEST).read_text())
 
 
+def quantize_pack(src: Path, out: Path, preset: str) -> None:
+    """``src``'s model with its experts re-encoded by ``preset`` (the resident file is hard-linked)."""
+    from lean_qwenflash.io_engine import crc32c
+    from lean_qwenflash.quant import get_encoding
+    from lean_qwenflash.quant.presets import expert_encodings, with_fallback
+
+    if (out / "manifest.json").is_file():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / fmt.RESIDENT).exists():
+        os.link(src / fmt.RESIDENT, out / fmt.RESIDENT)
+    doc = json.loads((src / fmt.MANIFEST).read_text())
+    old = fmt.parse_manifest(doc, str(src))
+    layers, offset, first = [], 0, 0
+    for i, rec in enumerate(old.layers):
+        inter, hidden = rec.tensors[0].shape[0] // 2, rec.tensors[0].shape[1]
+        encodings, _ = with_fallback(expert_encodings(preset, i, len(old.layers)),
+                                     {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}, "bf16")
+        layers.append(fmt.layout_layer(rec.layer_idx, rec.num_experts, hidden, inter, encodings, offset, first))
+        offset += rec.num_experts * layers[-1].record_bytes
+        first += rec.num_experts
+    crcs, t0 = [], time.perf_counter()
+    with open(src / fmt.EXPERTS, "rb") as fin, open(out / fmt.EXPERTS, "wb") as fout:
+        for rec_old, rec in zip(old.layers, layers):
+            for e in range(rec.num_experts):
+                fin.seek(rec_old.offset(e))
+                raw = torch.frombuffer(bytearray(fin.read(rec_old.record_bytes)), dtype=torch.uint8)
+                buf = bytearray(rec.record_bytes)
+                for t_old, t_new in zip(rec_old.tensors, rec.tensors):
+                    w = raw[t_old.offset:t_old.offset + t_old.nbytes].view(torch.bfloat16).view(t_old.shape)
+                    data = get_encoding(t_new.encoding).quantize(w).contiguous().view(torch.uint8).numpy()
+                    buf[t_new.offset:t_new.offset + t_new.nbytes] = data.tobytes()
+                crcs.append(crc32c(buf))
+                fout.write(buf)
+            print(f"  {preset}: layer {rec.layer_idx} re-encoded ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                  flush=True)
+        fout.flush()
+        os.fsync(fout.fileno())
+    (out / fmt.EXPERTS_IDX).write_bytes(fmt.encode_idx(crcs))
+    manifest = fmt.Manifest(old.architecture, old.family, old.config, layers, offset,
+                            created_by=f"bench/stream.py (synthetic, {preset})")
+    (out / fmt.MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1))
+
+
 # -- worker ---------------------------------------------------------------------------------------
 
 def probe_bandwidth(store, seconds: float = 3.0) -> float:
@@ -225,6 +274,7 @@ def main() -> int:
     ap.add_argument("--probe-seconds", type=float, default=3.0)
     ap.add_argument("--threads", type=int, default=2, help="torch threads in the workers")
     ap.add_argument("--skip-cached", action="store_true", help="skip the fully cached vs resident comparison")
+    ap.add_argument("--quant", default="q4_k_m", help="also run a pack re-encoded with this preset (none: skip)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "stream.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -238,6 +288,23 @@ def main() -> int:
     print(f"building the synthetic pack in {root} (once) ...", file=sys.stderr)
     build_pack(uniform, config)
     skew_pack(uniform, skewed)
+    packs = {"bf16": {"uniform": uniform, "skewed": skewed}}
+    if args.quant != "none":
+        packs[args.quant] = {}
+        for routing, src in (("uniform", uniform), ("skewed", skewed)):
+            dst = root / f"{routing}-{args.quant}"
+            if routing == "skewed":      # same experts as uniform: link them, take skewed's routers
+                if not (dst / "manifest.json").is_file():
+                    dst.mkdir(parents=True, exist_ok=True)
+                    q_uniform = root / f"uniform-{args.quant}"
+                    for name in (fmt.EXPERTS, fmt.EXPERTS_IDX, fmt.MANIFEST):
+                        if not (dst / name).exists():
+                            os.link(q_uniform / name, dst / name)
+                    if not (dst / fmt.RESIDENT).exists():
+                        os.link(skewed / fmt.RESIDENT, dst / fmt.RESIDENT)
+            else:
+                quantize_pack(src, dst, args.quant)
+            packs[args.quant][routing] = dst
     experts_bytes = json.loads((uniform / "manifest.json").read_text())["experts_bytes"]
     limit = int(args.limit_gib * 2**30)
     can_limit = os.geteuid() == 0 and CGROUP.is_dir()
@@ -251,20 +318,21 @@ def main() -> int:
           f"{config['num_hidden_layers']} layers", file=sys.stderr)
 
     rows = []
-    for routing, pack_dir in (("uniform", uniform), ("skewed", skewed)):
-        for prefetch in (False, True):
-            spec = dict(base, pack=str(pack_dir), mode="streamed", prefetch=prefetch)
-            res = run_worker(spec, limit if can_limit else None) if can_limit else {"error": "needs root + cgroup v1"}
-            res.update(routing=routing, prefetch=prefetch, mode="streamed")
-            rows.append(res)
-            print(f"  {routing} prefetch={prefetch}: {res.get('decode_tok_s', float('nan')):.2f} tok/s "
-                  f"{res.get('error', '')}", file=sys.stderr, flush=True)
+    for encoding, by_routing in packs.items():
+        for routing, pack_dir in by_routing.items():
+            for prefetch in (False, True):
+                spec = dict(base, pack=str(pack_dir), mode="streamed", prefetch=prefetch)
+                res = run_worker(spec, limit if can_limit else None) if can_limit else {"error": "needs root + cgroup v1"}
+                res.update(routing=routing, prefetch=prefetch, mode="streamed", encoding=encoding)
+                rows.append(res)
+                print(f"  {encoding} {routing} prefetch={prefetch}: {res.get('decode_tok_s', float('nan')):.2f} tok/s "
+                      f"{res.get('error', '')}", file=sys.stderr, flush=True)
     if not args.skip_cached:
         for mode in ("resident", "cached"):
             spec = dict(base, pack=str(uniform), mode=mode, prefetch=False,
                         host_cache_bytes=experts_bytes + 2**20)
             res = run_worker(spec, None)
-            res.update(routing="uniform", mode=mode, prefetch=False)
+            res.update(routing="uniform", mode=mode, prefetch=False, encoding="bf16")
             rows.append(res)
             print(f"  {mode}: {res.get('decode_tok_s', float('nan')):.2f} tok/s {res.get('error', '')}",
                   file=sys.stderr, flush=True)
@@ -273,11 +341,11 @@ def main() -> int:
         v = r.get(k)
         return "-" if v is None else fmt_.format(v * scale)
 
-    hdr = ("routing", "mode", "prefetch", "tok/s", "MiB/token", "read GB/s", "probe GB/s", "I/O bound",
+    hdr = ("encoding", "routing", "mode", "prefetch", "tok/s", "MiB/token", "read GB/s", "probe GB/s", "I/O bound",
            "of bound", "stall", "hit%", "pf prec", "pf recall", "peak MiB", "limit MiB")
     table = [hdr]
     for r in rows:
-        table.append((r["routing"], r["mode"], "on" if r["prefetch"] else "off", f(r, "decode_tok_s"),
+        table.append((r["encoding"], r["routing"], r["mode"], "on" if r["prefetch"] else "off", f(r, "decode_tok_s"),
                       f(r, "bytes_per_token", "{:.0f}", 2**-20), f(r, "achieved_gbps"), f(r, "probe_gbps"),
                       f(r, "io_bound_tok_s"), f(r, "fraction_of_io_bound", "{:.0%}"), f(r, "stall_fraction", "{:.0%}"),
                       f(r, "hit_rate", "{:.0f}", 100), f(r, "prefetch_precision"), f(r, "prefetch_recall"),
@@ -301,6 +369,19 @@ def main() -> int:
                                       all(r.get("cgroup_peak_bytes", 0) <= limit for r in streamed))
         print(f"best fraction of the I/O bound: {summary['best_fraction_of_io_bound']:.0%}; "
               f"all streamed runs under the {args.limit_gib} GiB limit: {summary['all_under_limit']}")
+    if args.quant != "none":
+        ratios = {}
+        for r in streamed:
+            if r["encoding"] == args.quant:
+                twin = next((b for b in streamed if b["encoding"] == "bf16" and b["routing"] == r["routing"]
+                             and b["prefetch"] == r["prefetch"]), None)
+                if twin:
+                    ratios[f"{r['routing']} prefetch {'on' if r['prefetch'] else 'off'}"] = \
+                        r["decode_tok_s"] / twin["decode_tok_s"]
+        summary[f"{args.quant}_over_bf16_tok_s"] = ratios
+        if ratios:
+            print(f"{args.quant} / bf16 decode tok/s under the same limit: " +
+                  ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + " (goal >= 3x)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in rows:

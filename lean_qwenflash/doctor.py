@@ -64,6 +64,12 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
     except OSError:
         disabled = None
     out(f"liburing:      {'compiled in' if io_engine.uring_compiled() else 'NOT compiled in (install liburing-dev, reinstall)'}")
+    from .models import native
+    if native.available():
+        out(f"CPU kernels:   {native.best_isa()} (this CPU can run: {', '.join(native.ISAS)}; cpu_isa: auto picks the last)")
+    else:
+        out("CPU kernels:   NOT built (reinstall: pip install -e .); quantized experts fall back to torch")
+        problems += 1
 
     if pack:
         from .store import ExpertStore
@@ -72,6 +78,7 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
             experts = st.manifest.experts_bytes
             slot = st.max_record_bytes
             top_k = int(st.config.get("num_experts_per_tok", 1))
+            encodings = st.manifest.encodings()
         target = Path(pack) / "experts.bin"
         block = slot
     else:
@@ -138,6 +145,8 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
         resident = (Path(pack) / "resident.safetensors").stat().st_size
         out(f"pack:          {pack}: {format_size(experts)} of experts ({format_size(slot)} records), "
             f"{format_size(resident)} resident")
+        for name, per in encodings.items():
+            out(f"               {name}: " + ", ".join(f"{enc} {format_size(n)}" for enc, n in sorted(per.items())))
         margin = 2 * 1024**3
         if vram_free:
             device = max(0, min(experts, vram_free - resident - margin))

@@ -58,7 +58,7 @@ echo "== tests"
 log="${OUT:+$OUT/pytest.log}"
 timeout -s INT -k 20 "${PYTEST_TIMEOUT:-210}" \
     python3 -m pytest -q -rs -p no:cacheprovider --durations=15 \
-    tests/test_cuda.py tests/test_tiered.py tests/test_models.py 2>&1 | tee "${log:-/dev/null}"
+    tests/test_cuda.py tests/test_tiered.py tests/test_models.py tests/test_quant_models.py 2>&1 | tee "${log:-/dev/null}"
 rc=${PIPESTATUS[0]}
 echo "device_check: pytest exit status $rc"
 exit "$rc"

@@ -21,5 +21,13 @@ if ! $PY -c "import torch" 2>/dev/null; then
   $PY -m pip install -q torch==2.13.0
 fi
 $PY -m pip install -q "setuptools>=64" wheel "pybind11>=2.12"
+# llama.cpp through llama-cpp-python is the tests' oracle for GGUF files and quantized compute. It
+# builds llama.cpp from source (~9 min on 2 cores) once; pip's wheel cache makes later runs instant.
+# Built for AVX2 (not -march=native) so the cached wheel runs on every machine of this kind.
+if ! $PY -c "import llama_cpp" 2>/dev/null; then
+  echo "setup: building llama-cpp-python ${LLAMA_CPP_PYTHON_VERSION:=0.3.36} (once; then pip's wheel cache)"
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $PY -m pip install -q "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+fi
 $PY -m pip install -q --no-build-isolation -e '.[dev]'
 $PY -c "import lean_qwenflash._io as io; print('setup: native I/O engine built', '(io_uring + pread)' if io.uring_compiled() else '(pread only)')"

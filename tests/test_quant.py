@@ -195,3 +195,37 @@ def test_moe_decode_is_independent_of_thread_count():
     x = torch.randn(1, 512, generator=gen)
     runs = [native.moe_decode(x, experts, [0.3] * 8, threads=t) for t in (1, 2, 3, 2)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+def test_dequantize_equals_gguf_on_blocks_quantized_by_llama_cpp(tmp_path):
+    """Real blocks from llama.cpp's own quantizer (a tiny Qwen3-MoE exported to GGUF f32, then
+    quantized to each type): our torch and native dequantizers give gguf's values bit for bit."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is installed by scripts/setup.sh")
+    hf_models = pytest.importorskip("hf_models")
+    from lean_qwenflash.store.gguf_export import export_gguf
+    model, _ = hf_models.make_hf_model("qwen3_moe", "quant")
+    f32 = export_gguf(hf_models.save_checkpoint(model, str(tmp_path / "ckpt")), tmp_path / "f32.gguf", "f32")
+    by_ggml = {e.ggml_type: e for e in ENCODINGS.values()}
+    seen = set()
+    for ftype in ("LLAMA_FTYPE_MOSTLY_Q8_0", "LLAMA_FTYPE_MOSTLY_Q4_0", "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+                  "LLAMA_FTYPE_MOSTLY_Q5_K_M", "LLAMA_FTYPE_MOSTLY_Q6_K"):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, ftype)
+        params.nthread = 1
+        out = tmp_path / f"{ftype}.gguf"
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(out).encode(), params) == 0
+        for t in gguf.GGUFReader(str(out)).tensors:
+            enc = by_ggml.get(int(t.tensor_type))
+            if enc is None or enc.is_float:
+                continue
+            raw = torch.from_numpy(np.ascontiguousarray(t.data)).view(torch.uint8)
+            raw = raw.reshape(-1, raw.shape[-1])
+            cols = raw.shape[-1] // enc.block_bytes * enc.block_size
+            ref = gguf_dequantize(raw.numpy(), t.tensor_type).reshape(raw.shape[0], cols)
+            ours = enc.dequantize(raw, cols).numpy()
+            assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32)), (ftype, t.name)
+            out_native = torch.empty(raw.shape[0], cols)
+            native.dequantize_into(QuantTensor(raw, enc, (raw.shape[0], cols)), out_native)
+            assert np.array_equal(out_native.numpy().view(np.uint32), ref.view(np.uint32)), (ftype, t.name)
+            seen.add(enc.name)
+    assert seen == {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k"}, seen

@@ -67,7 +67,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def set_expert_kernels(self, mode: str = "fast", isa: str = "auto") -> None:
-        """Routed-expert math for every sparse block: ``exact`` or ``fast`` (see models.kernels);
+        """Math on quantized weights (routed experts, quantized resident linears): ``exact`` or ``fast``
+        (see models.kernels);
         ``isa`` forces a native kernel path (auto, scalar, avx2, avx512)."""
         from .kernels import EXPERT_KERNELS
         from .native import KERNEL_ISAS
@@ -76,6 +77,10 @@ class CausalLM(nn.Module):
                              f"got {mode!r}, {isa!r}")
         for block in self.moe_blocks():
             block.expert_kernels, block.kernel_isa = mode, isa
+        from .layers import Linear
+        for m in self.modules():
+            if isinstance(m, Linear) and m.qweight is not None:
+                m.kernel_mode, m.kernel_isa = mode, isa
 
     def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
         """Logits for ``input_ids`` [B, T] that continue ``state`` (a ``ModelState``, updated in place).
@@ -97,8 +102,9 @@ class CausalLM(nn.Module):
         if last_logits_only:
             x = x[:, -1:]
         x = self.model.norm(x)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return kernels.linear(x, head)
+        if self.lm_head is None:
+            return kernels.linear(x, self.model.embed_tokens.weight)
+        return self.lm_head(x)
 
 
 _REQUIRED = object()

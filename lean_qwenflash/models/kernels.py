@@ -162,3 +162,13 @@ def expert_mlp(x: torch.Tensor, expert) -> torch.Tensor:
     inter = h.shape[-1] // 2
     act = F.silu(h[:, :inter]).mul_(h[:, inter:])
     return F.linear(act, as_float(expert.down, x.dtype, "down"))
+
+
+def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, mode: str = "exact", isa: str = "auto") -> torch.Tensor:
+    """``F.linear`` with a block-quantized weight: one row on CPU in ``fast`` mode runs the native
+    dot product on the encoded rows; otherwise the weight is dequantized exactly and multiplied."""
+    if mode == "fast" and x.numel() == weight.shape[1] and x.device.type == "cpu" and native.supports(weight):
+        out = native.gemv(weight, x, isa=isa).view(x.shape[:-1] + (weight.shape[0],)).to(x.dtype)
+    else:
+        out = F.linear(x, as_float(weight, x.dtype, "linear"))
+    return out if bias is None else out + bias

@@ -25,9 +25,24 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and keys) whose one-row products use every CPU thread."""
+    """``nn.Linear`` (same parameters and keys) whose one-row products use every CPU thread.
+
+    A block-quantized weight (``pack --quant``) replaces the parameter via :meth:`set_quantized`;
+    products then go through ``kernels.quant_linear`` in the block's ``kernel_mode``."""
+
+    qweight = None
+    kernel_mode, kernel_isa = "fast", "auto"
+
+    def set_quantized(self, qweight) -> None:
+        if tuple(qweight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {tuple(qweight.shape)} does not fit Linear "
+                             f"[{self.out_features}, {self.in_features}]")
+        del self.weight                  # no float copy: the module's state is the encoded rows
+        self.qweight = qweight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return kernels.quant_linear(x, self.qweight, self.bias, self.kernel_mode, self.kernel_isa)
         return kernels.linear(x, self.weight, self.bias)
 
 

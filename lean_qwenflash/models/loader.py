@@ -12,6 +12,8 @@ from typing import Mapping, Union
 import torch
 
 from lean_qwenflash.experts.provider import ExpertProvider, ResidentExperts, aligned_record
+from lean_qwenflash.models.layers import Linear
+from lean_qwenflash.quant import QuantTensor
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
@@ -59,7 +61,15 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
         if tuple(tensors[key].shape) != tuple(shape):
             raise CheckpointError(f"tensor {key!r} has shape {tuple(tensors[key].shape)}, "
                                   f"the model expects {tuple(shape)}")
-    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected}
+    # Block-quantized resident matrices (pack --quant) replace their Linear's float parameter.
+    quantized = {k for k, v in tensors.items() if isinstance(v, QuantTensor) and k in expected}
+    for key in quantized:
+        module = model.get_submodule(key.rsplit(".", 1)[0])
+        if not isinstance(module, Linear) or not key.endswith(".weight"):
+            raise CheckpointError(f"tensor {key!r} is block-quantized but is not a linear layer's weight")
+        q = tensors[key]
+        module.set_quantized(QuantTensor(q.raw.to(device), q.encoding, q.shape))
+    state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected if k not in quantized}
     model.load_state_dict(state, strict=True, assign=True)
     model.set_expert_provider(provider)
     return model.eval().requires_grad_(False)

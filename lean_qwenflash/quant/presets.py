@@ -28,6 +28,26 @@ def expert_encodings(preset: str, moe_index: int, num_moe_layers: int) -> dict:
     return {"gate_up": preset, "down": preset}
 
 
+# Resident matrices that --quant encodes (name suffixes); everything else (embeddings, norms, routers,
+# shared-expert gates, convolutions, DeltaNet gates) stays float.
+QUANTIZED_RESIDENT = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                      "self_attn.o_proj.weight", "linear_attn.in_proj_qkvz.weight", "linear_attn.out_proj.weight",
+                      "shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                      "shared_expert.down_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                      "mlp.down_proj.weight", "lm_head.weight")
+
+
+def resident_encoding(preset: str, name: str):
+    """The encoding --quant gives a resident tensor, or None (it stays float). The output head takes
+    q6_k in the _k presets (its errors reach every logit), the other matrices the base type."""
+    if preset in ("bf16", "f16", "f32") or not name.endswith(QUANTIZED_RESIDENT):
+        return None
+    base = preset[:-2] if preset.endswith("_m") else preset
+    if name == "lm_head.weight" and base.endswith("_k"):
+        return "q6_k"
+    return base
+
+
 def with_fallback(encodings: dict, shapes: dict, float_encoding: str) -> tuple[dict, list]:
     """Replace encodings that cannot hold a projection's rows by ``float_encoding``; returns the
     encodings and one note per replacement."""

@@ -19,7 +19,8 @@ from ..io_engine import crc32c
 from . import format as fmt
 from ..quant import get_encoding
 from ..quant.floats import BY_DTYPE_NAME, DTYPE_NAME
-from ..quant.presets import PRESETS, expert_encodings, with_fallback
+from ..quant import row_encoding_error
+from ..quant.presets import PRESETS, expert_encodings, resident_encoding, with_fallback
 from .checkpoint import (TORCH_DTYPES, TORCH_NAMES, CheckpointError, HFCheckpoint,
                          StreamingSafetensorsWriter)
 
@@ -87,7 +88,7 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         first += rec.num_experts
     notes = [f"{why} (layers {', '.join(map(str, ls))})" for why, ls in fallbacks.items()]
     resident = sorted(ckpt.resident_keys.items())
-    resident_bytes = sum(ckpt.nbytes(k) for _, k in resident)
+    resident_bytes = sum(ckpt.nbytes(k) for _, k in resident)   # progress counts source bytes
     bar = _progress(offset + resident_bytes, progress)
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -115,13 +116,36 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         os.fsync(f.fileno())
     (tmp / fmt.EXPERTS_IDX).write_bytes(fmt.encode_idx(crcs))
 
-    # Resident tensors: streamed into one safetensors file under their canonical names.
-    entries = [(canon, ckpt.shape(k), ckpt.dtype(k)) for canon, k in resident]
-    writer = StreamingSafetensorsWriter(tmp / fmt.RESIDENT, entries)
+    # Resident tensors: streamed into one safetensors file under their canonical names; matrices
+    # --quant encodes are stored as uint8 block rows (the manifest's `resident` says how to read them).
+    resident_enc, resident_fallback = {}, {}
     for canon, k in resident:
+        enc = resident_encoding(quant, canon) if quant else None
+        shape = tuple(ckpt.shape(k))
+        if enc and len(shape) == 2:
+            why = row_encoding_error(get_encoding(enc), shape[1])
+            if why:
+                resident_fallback.setdefault(why, []).append(canon)
+                enc = None
+        resident_enc[canon] = enc if len(shape) == 2 else None
+    for why, names in resident_fallback.items():
+        notes.append(f"resident {why}; kept float: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
+    entries = []
+    for canon, k in resident:
+        enc = resident_enc[canon]
+        shape = tuple(ckpt.shape(k))
+        entries.append((canon, (shape[0], get_encoding(enc).row_bytes(shape[1])), torch.uint8) if enc
+                       else (canon, shape, ckpt.dtype(k)))
+    writer = StreamingSafetensorsWriter(tmp / fmt.RESIDENT, entries)
+    resident_meta = []
+    for (canon, k), (_, stored_shape, dt) in zip(resident, entries):
         t = ckpt.get(k)
-        writer.write(canon, t)
+        enc = resident_enc[canon]
+        data = get_encoding(enc).quantize(t).contiguous() if enc else t
+        writer.write(canon, data)
         bar.update(t.nbytes)
+        resident_meta.append(fmt.ResidentTensor(canon, tuple(ckpt.shape(k)), enc or BY_DTYPE_NAME[TORCH_NAMES[dt]],
+                                                data.nbytes))
     writer.close()
 
     copied = []
@@ -137,9 +161,7 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     manifest = fmt.Manifest(architecture=ckpt.names.architecture, family=ckpt.names.family, config=ckpt.config,
                             layers=layers, experts_bytes=offset, tokenizer_files=copied,
                             created_by=f"lean-qwenflash {__version__}", notes=notes,
-                            resident=[fmt.ResidentTensor(canon, tuple(shape), BY_DTYPE_NAME[TORCH_NAMES[dt]],
-                                                         ckpt.nbytes(k))
-                                      for (canon, shape, dt), (_, k) in zip(entries, resident)])
+                            resident=resident_meta)
     with open(tmp / fmt.MANIFEST, "w") as fh:
         json.dump(manifest.to_json(), fh, indent=1)
         fh.flush()

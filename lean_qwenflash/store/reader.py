@@ -202,12 +202,19 @@ class ExpertStore:
         return buf
 
     def load_resident(self, device="cpu", dtype=None) -> dict:
-        """Every resident tensor (attention, DeltaNet, norms, routers, shared experts, head)."""
+        """Every resident tensor (attention, DeltaNet, norms, routers, shared experts, head): float
+        tensors in ``dtype``, and QuantTensor for matrices the packer encoded (``pack --quant``)."""
         from safetensors.torch import load_file
         tensors = load_file(str(self.path / fmt.RESIDENT), device=str(device))
-        if dtype is not None:
-            tensors = {k: v.to(dtype) for k, v in tensors.items()}
-        return tensors
+        quantized = {t.name: t for t in self.manifest.resident if not get_encoding(t.encoding).is_float}
+        out = {}
+        for k, v in tensors.items():
+            if k in quantized:     # block rows: served as a QuantTensor, decoded by the kernels
+                q = quantized[k]
+                out[k] = QuantTensor(v, get_encoding(q.encoding), tuple(q.shape))
+            else:
+                out[k] = v.to(dtype) if dtype is not None else v
+        return out
 
     def load_all_experts(self):
         """Every routed expert in memory, as a ResidentExperts (the lossless reference)."""
