@@ -15,8 +15,9 @@ pass faults every page in; llama.cpp mmaps its file, so the machine needs RAM fo
 Routing: random routers on a random model pick experts near-uniformly; the table reports how many
 distinct experts per layer the decode used and the busiest expert's share. The Q4_K_M rows are
 not identical bytes yet: llama.cpp quantizes with its quantizer, we with ours (same formats,
-same bytes per weight; identical bytes come with GGUF import), and llama.cpp also quantizes the
-attention weights, which we keep in bf16. Prints a table, writes JSON to --out.
+same bytes per weight; identical bytes come with GGUF import). Both quantize the attention
+matrices and the output head; llama.cpp also quantizes the token embeddings (we keep them bf16:
+only one row of them is read per token). Prints a table, writes JSON to --out.
 """
 from __future__ import annotations
 
@@ -137,7 +138,10 @@ def worker_ours(spec: dict) -> dict:
     from lean_qwenflash.runtime import Runtime
 
     torch.set_num_threads(spec["threads"])
-    cfg = load_config(model=spec["path"], dtype="bfloat16", expert_kernels="fast", cpu_isa=spec["isa"])
+    # bf16 pack: resident weights must be its float dtype. Quantized pack: the float residents
+    # (norms, embeddings, routers) compute in fp32, which this CPU (no bf16 math) runs faster.
+    dtype = "bfloat16" if spec["path"].endswith("bf16") else "float32"
+    cfg = load_config(model=spec["path"], dtype=dtype, expert_kernels="fast", cpu_isa=spec["isa"])
     with Runtime.open(cfg, resident_experts=True) as rt:
         routed = {}
 

@@ -58,6 +58,10 @@ const KernelTable& kernels_for(const std::string& isa) {
 
 // ---- thread pool: the caller runs tasks too; workers spin briefly, then sleep ----
 
+// How long an idle worker spins before sleeping. Short: torch's own intra-op threads run between
+// our calls on the same cores, and a long spin steals their time (bf16 decode 18.5 -> 13.9 tok/s).
+constexpr int SPIN_ITERATIONS = 2000;
+
 class Pool {
    public:
     explicit Pool(int n) {
@@ -102,7 +106,7 @@ class Pool {
         uint64_t seen = 0;
         for (;;) {
             // Spin a little: consecutive calls (two phases per layer, many layers) come fast.
-            for (int i = 0; i < 20000 && gen_atomic_.load(std::memory_order_acquire) == seen; ++i) __builtin_ia32_pause();
+            for (int i = 0; i < SPIN_ITERATIONS && gen_atomic_.load(std::memory_order_acquire) == seen; ++i) __builtin_ia32_pause();
             {
                 std::unique_lock<std::mutex> lk(mu_);
                 cv_.wait(lk, [&] { return gen_ != seen; });

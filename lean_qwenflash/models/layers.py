@@ -28,7 +28,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and keys) whose one-row products use every CPU thread.
 
     A block-quantized weight (``pack --quant``) replaces the parameter via :meth:`set_quantized`;
-    products then go through ``kernels.quant_linear`` in the block's ``kernel_mode``."""
+    products then go through ``kernels.quant_linear`` in ``kernel_mode`` (set by
+    CausalLM.set_expert_kernels)."""
 
     qweight = None
     kernel_mode, kernel_isa = "fast", "auto"
