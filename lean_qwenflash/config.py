@@ -92,6 +92,7 @@ class RuntimeConfig:
     expert_kernels: str = "fast"        # fast: native decode kernels (int8 activations for quantized
                                         # experts); exact: dequantize, then torch (bit-identity tests)
     cpu_isa: str = "auto"               # force a native kernel path: auto, scalar, avx2, avx512
+    cpu_threads: int = 0                # native kernel threads; 0 = torch's intra-op thread count
     server: ServerConfig = field(default_factory=ServerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     source: Optional[str] = None        # file it was loaded from (not a key)
@@ -103,6 +104,8 @@ class RuntimeConfig:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.expert_kernels not in EXPERT_KERNELS:
             raise ConfigError(f"expert_kernels: must be one of {', '.join(EXPERT_KERNELS)}, got {self.expert_kernels!r}")
+        if self.cpu_threads < 0:
+            raise ConfigError(f"cpu_threads: must be >= 0 (0: as many as torch uses), got {self.cpu_threads}")
         if self.cpu_isa not in CPU_ISAS:
             raise ConfigError(f"cpu_isa: must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):

@@ -109,6 +109,12 @@ class Runtime:
                 prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
         model = build_model(config, resident, provider, dtype=dtype, device=device)
         model.set_expert_kernels(cfg.expert_kernels, cfg.cpu_isa)
+        if device.type == "cpu" and cfg.expert_kernels == "fast":
+            # Decode: the native kernels take every core; torch's small per-token ops run on one
+            # (models.base.CausalLM.decode_torch_threads).
+            from .models import native
+            native.set_threads(cfg.cpu_threads or torch.get_num_threads())
+            model.decode_torch_threads = 1
         tokenizer = None
         if (Path(cfg.model) / "tokenizer.json").is_file():
             from .chat import Tokenizer

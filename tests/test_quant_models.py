@@ -232,3 +232,21 @@ def test_cuda_quantized_experts_match_cpu_exact(preset, packs):
                           device_cache_bytes=top_k * slot)
         with Runtime.open(cfg, resident_experts=resident) as rt:
             torch.testing.assert_close(rt.model(PROMPT.cuda()).cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_steps_run_torch_on_one_thread_and_restore_it(packs, monkeypatch):
+    seen = []
+    from lean_qwenflash.models import kernels
+    real = kernels.experts_decode
+    monkeypatch.setattr(kernels, "experts_decode", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+    torch.set_num_threads(2)
+    try:
+        with Runtime.open(load_config(model=str(packs("mixtral", "q4_k")), cpu_threads=2), resident_experts=True) as rt:
+            assert rt.model.decode_torch_threads == 1
+            list(Generator(rt.model).generate(PROMPT[0].tolist(), GREEDY, 3))
+            assert torch.get_num_threads() == 2
+        assert seen and set(seen) == {1}
+    finally:
+        torch.set_num_threads(1)
+    with pytest.raises(Exception, match="cpu_threads: must be >= 0"):
+        load_config(cpu_threads=-1)

@@ -42,6 +42,11 @@ class CausalLM(nn.Module):
     state each layer needs.
     """
 
+    # Torch intra-op threads during one-token steps on CPU (None: leave torch's setting). With the
+    # native kernels doing the heavy products on their own threads, torch's small per-token ops run
+    # faster on one thread than fighting them for the cores (q4_k_m decode 35 -> 43 tok/s).
+    decode_torch_threads = None
+
     def __init__(self, config: dict, layers: list[DecoderLayer], layer_types: list[str], norm: nn.Module,
                  rotary: Optional[Rotary]):
         super().__init__()
@@ -83,6 +88,19 @@ class CausalLM(nn.Module):
                 m.kernel_mode, m.kernel_isa = mode, isa
 
     def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
+        """Logits [B, T, V] (see ``_forward``); one-token CPU steps honour ``decode_torch_threads``."""
+        threads = self.decode_torch_threads
+        if threads and input_ids.shape[-1] == 1 and input_ids.device.type == "cpu":
+            saved = torch.get_num_threads()
+            if saved != threads:
+                torch.set_num_threads(threads)
+                try:
+                    return self._forward(input_ids, state, last_logits_only)
+                finally:
+                    torch.set_num_threads(saved)
+        return self._forward(input_ids, state, last_logits_only)
+
+    def _forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
         """Logits for ``input_ids`` [B, T] that continue ``state`` (a ``ModelState``, updated in place).
 
         Positions start at ``state.num_tokens`` (0 without state). Without a state the call is a

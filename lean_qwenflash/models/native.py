@@ -55,8 +55,17 @@ def supports(weight) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and (isinstance(weight, QuantTensor) or t.dtype in _FLOAT_IDS)
 
 
+_threads_default = 0     # set_threads(); 0: torch's intra-op thread count at the call
+
+
+def set_threads(n: int) -> None:
+    """Threads the native kernels use when a call does not say (0: torch's intra-op count)."""
+    global _threads_default
+    _threads_default = max(0, int(n))
+
+
 def _threads(threads) -> int:
-    return threads or torch.get_num_threads()
+    return threads or _threads_default or torch.get_num_threads()
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
