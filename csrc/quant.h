@@ -70,6 +70,13 @@ inline void prefetch_ahead(const uint8_t* p, int bytes) {
 // Block-field readers shared by the kernels (little-endian, unaligned).
 inline uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 
+inline float bf16_to_fp32(uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
 // q4_k / q5_k: the 6-bit scale and min of sub-block j from the 12 packed bytes.
 inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* m) {
     if (j < 4) {

@@ -58,12 +58,7 @@ float dot_bf16(const uint8_t* row, const Act& a, int cols) {
         acc1 = _mm256_fmadd_ps(bf16x8(row + 2 * i + 16), _mm256_loadu_ps(a.x + i + 8), acc1);
     }
     float acc = hsum(_mm256_add_ps(acc0, acc1));
-    for (; i < cols; ++i) {
-        uint32_t bits = static_cast<uint32_t>(load_u16(row + 2 * i)) << 16;
-        float f;
-        __builtin_memcpy(&f, &bits, 4);
-        acc += f * a.x[i];
-    }
+    for (; i < cols; ++i) acc += bf16_to_fp32(load_u16(row + 2 * i)) * a.x[i];
     return acc;
 }
 

@@ -57,12 +57,7 @@ float dot_bf16(const uint8_t* row, const Act& a, int cols) {
         acc1 = _mm512_fmadd_ps(bf16x16(row + 2 * i + 32), _mm512_loadu_ps(a.x + i + 16), acc1);
     }
     float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    for (; i < cols; ++i) {
-        uint32_t bits = static_cast<uint32_t>(load_u16(row + 2 * i)) << 16;
-        float f;
-        __builtin_memcpy(&f, &bits, 4);
-        acc += f * a.x[i];
-    }
+    for (; i < cols; ++i) acc += bf16_to_fp32(load_u16(row + 2 * i)) * a.x[i];
     return acc;
 }
 

@@ -42,13 +42,6 @@ float fp16_to_fp32(uint16_t h) {
     return f;
 }
 
-static inline float bf16_to_fp32(uint16_t h) {
-    uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
 void quantize_act(const float* x, int n, float* d, int8_t* q, float* s) {
     for (int b = 0; b < n / QA; ++b) {
         const float* xb = x + b * QA;
