@@ -218,7 +218,7 @@ def test_dequantize_equals_gguf_on_blocks_quantized_by_llama_cpp(tmp_path):
             enc = by_ggml.get(int(t.tensor_type))
             if enc is None or enc.is_float:
                 continue
-            raw = torch.from_numpy(np.ascontiguousarray(t.data)).view(torch.uint8)
+            raw = torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8)   # (the reader maps the file read-only)
             raw = raw.reshape(-1, raw.shape[-1])
             cols = raw.shape[-1] // enc.block_bytes * enc.block_size
             ref = gguf_dequantize(raw.numpy(), t.tensor_type).reshape(raw.shape[0], cols)
