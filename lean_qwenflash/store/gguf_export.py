@@ -17,7 +17,7 @@ from .checkpoint import HFCheckpoint
 from . import naming
 from .gguf_names import EXPERT_KEYS, gguf_arch, hf_to_gguf_tensor
 
-_RAW = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+ENCODINGS = ("bf16", "f16", "f32")
 
 
 def _config_value(config: dict, key: str):
@@ -26,22 +26,38 @@ def _config_value(config: dict, key: str):
     return config.get(key)
 
 
-def _array(t: torch.Tensor, encoding: str) -> tuple[np.ndarray, object]:
+def _stored(shape: tuple, encoding: str) -> str:
+    return "f32" if len(shape) == 1 else encoding      # vectors (norms) always f32, as llama.cpp's converter
+
+
+def _info(shape: tuple, encoding: str):
+    """(numpy shape, numpy dtype, nbytes, GGML raw type or None) of a tensor as _array writes it."""
     import gguf
-    if encoding == "f32" or t.dim() == 1:
-        return t.float().contiguous().numpy(), None
-    if encoding == "f16":
-        return t.half().contiguous().numpy(), None
-    raw = t.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
-    return raw, gguf.GGMLQuantizationType.BF16
+    enc = _stored(shape, encoding)
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if enc == "bf16":   # raw bytes: rows of 2 * cols uint8
+        return tuple(shape[:-1]) + (2 * shape[-1],), np.dtype(np.uint8), 2 * n, gguf.GGMLQuantizationType.BF16
+    dt = np.dtype(np.float32 if enc == "f32" else np.float16)
+    return tuple(shape), dt, n * dt.itemsize, None
+
+
+def _array(t: torch.Tensor, encoding: str) -> np.ndarray:
+    enc = _stored(tuple(t.shape), encoding)
+    if enc == "f32":
+        return t.float().contiguous().numpy()
+    if enc == "f16":
+        return t.half().contiguous().numpy()
+    return t.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
 
 
 def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
     """Write ``hf_dir`` to ``out_path`` (GGUF v3); returns the path."""
     import gguf
 
-    if encoding not in _RAW:
-        raise ValueError(f"encoding must be one of {', '.join(_RAW)}; got {encoding!r}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
     ckpt = HFCheckpoint(hf_dir)
     arch = gguf_arch(ckpt.names.family)
     cfg = ckpt.config
@@ -76,31 +92,35 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
 
-    writes = []     # (name, callable producing the array), in file order
+    # (name, shape, encoding, callable producing the data), in file order: the header needs every
+    # tensor's shape and type before any data, so the data is made once, when it is written.
+    writes = []
     for canon, key in sorted(ckpt.resident_keys.items()):
         name = hf_to_gguf_tensor(arch, canon)
         enc = "f32" if name.endswith("ffn_gate_inp.weight") else encoding
-        writes.append((name, lambda key=key, enc=enc: _array(ckpt.get(key), enc)))
-    num_experts = ckpt.expert_dims()[0]
-    for layer in ckpt.moe_layers():
-        def stacked(layer=layer, part=0):
-            parts = []
-            for e in range(num_experts):
-                gate_up, down = ckpt.expert(layer, e)
-                inter = gate_up.shape[0] // 2
-                parts.append((gate_up[:inter], gate_up[inter:], down)[part])
-            return _array(torch.stack(parts), encoding)
-        for part, role in enumerate(("gate", "up", "down")):
-            writes.append((f"blk.{layer}.{arch.expert_tensors[role]}", lambda layer=layer, part=part: stacked(layer, part)))
+        writes.append((name, tuple(ckpt.shape(key)), enc, lambda key=key: ckpt.get(key)))
+    if ckpt.moe_layers():
+        num_experts, _, hidden, inter = ckpt.expert_dims()
+        for layer in ckpt.moe_layers():
+            def stacked(layer=layer, part=0):
+                parts = []
+                for e in range(num_experts):
+                    gate_up, down = ckpt.expert(layer, e)
+                    parts.append((gate_up[:inter], gate_up[inter:], down)[part])
+                return torch.stack(parts)
+            for part, role in enumerate(("gate", "up", "down")):
+                shape = (num_experts, hidden, inter) if role == "down" else (num_experts, inter, hidden)
+                writes.append((f"blk.{layer}.{arch.expert_tensors[role]}", shape, encoding,
+                               lambda layer=layer, part=part: stacked(layer, part)))
 
-    for name, make in writes:       # infos first (shapes and types), data after the header
-        arr, raw = make()
-        w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, raw_dtype=raw)
+    for name, shape, enc, _ in writes:
+        np_shape, np_dtype, nbytes, raw = _info(shape, enc)
+        w.add_tensor_info(name, np_shape, np_dtype, nbytes, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, make in writes:
-        w.write_tensor_data(make()[0])
+    for _, _, enc, make in writes:
+        w.write_tensor_data(_array(make(), enc))
     w.close()
     tmp.rename(out_path)
     return out_path
