@@ -156,8 +156,7 @@ class Q6_K(Encoding):
         d16 = (scale.abs().amax(-1) / 127).clamp(max=F16_MAX).half().float()
         sc = torch.round(scale * safe_inverse(d16)[:, None]).clamp(-128, 127)
         eff = d16[:, None] * sc
-        inv = torch.where(eff != 0, 1.0 / torch.where(eff != 0, eff, torch.ones_like(eff)), torch.zeros_like(eff))
-        q = (torch.round(xb * inv[..., None]) + 32).clamp(0, 63).to(torch.uint8).reshape(-1, 2, 4, 32)
+        q = (torch.round(xb * safe_inverse(eff)[..., None]) + 32).clamp(0, 63).to(torch.uint8).reshape(-1, 2, 4, 32)
         ql = torch.cat(((q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
                         (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)), dim=2).reshape(-1, 128)
         qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)

@@ -24,7 +24,9 @@ def f16_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def safe_inverse(d: torch.Tensor) -> torch.Tensor:
-    return torch.where(d > 0, 1.0 / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+    """1 / d, and 0 where d is 0 (an all-zero block quantizes to zeros, not NaN)."""
+    nonzero = d != 0
+    return torch.where(nonzero, 1.0 / torch.where(nonzero, d, torch.ones_like(d)), torch.zeros_like(d))
 
 
 class Q8_0(Encoding):
@@ -61,8 +63,7 @@ class Q4_0(Encoding):
         idx = xb.abs().argmax(-1, keepdim=True)
         extreme = xb.gather(1, idx)[:, 0]
         d16 = (extreme / -8).clamp(-F16_MAX, F16_MAX).half().float()
-        inv = torch.where(d16 != 0, 1.0 / torch.where(d16 != 0, d16, torch.ones_like(d16)), torch.zeros_like(d16))
-        q = (torch.round(xb * inv[:, None]) + 8).clamp(0, 15).to(torch.uint8)
+        q = (torch.round(xb * safe_inverse(d16)[:, None]) + 8).clamp(0, 15).to(torch.uint8)
         qs = q[:, :16] | (q[:, 16:] << 4)
         out = torch.cat((f16_bytes(d16), qs), dim=1)
         return out.reshape(x.shape[:-1] + (self.row_bytes(cols),))
