@@ -74,26 +74,8 @@ float dot_f16(const uint8_t* row, const Act& a, int cols) {
     return acc;
 }
 
-float dot_q8_0(const uint8_t* row, const Act& a, int cols) {
-    __m512 acc = _mm512_setzero_ps();
-    const int nb = cols / 32;
-    int b = 0;
-    for (; b + 2 <= nb; b += 2, row += 68) {
-        prefetch_ahead(row, 68);
-        const __m512i s = dot_s8s8(join(loadu256(row + 2), loadu256(row + 36)), loadu(a.q8.q + 32 * b));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + 34) * a.q8.d[b + 1]), acc);
-    }
-    float out = _mm512_reduce_add_ps(acc);
-    if (b < nb) {  // odd block count: one 32-value block left
-        const __m256i w = loadu256(row + 2), x = loadu256(a.q8.q + 32 * b);
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
-        const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(h2f(row) * a.q8.d[b]));
-        __m128 t = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
-        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-        out += _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-    }
-    return out;
-}
+// One 32-value block's weights as signed bytes (w), for the 32-value formats.
+inline __m256i q8_0_block(const uint8_t* blk) { return loadu256(blk + 2); }
 
 inline __m256i q4_0_block(const uint8_t* blk) {
     const __m128i m4 = _mm_set1_epi8(0xF);
@@ -101,27 +83,32 @@ inline __m256i q4_0_block(const uint8_t* blk) {
     return _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4)), _mm256_set1_epi8(8));
 }
 
-float dot_q4_0(const uint8_t* row, const Act& a, int cols) {
+// q8_0 and q4_0: blocks of BB bytes, an f16 scale then 32 values; two blocks per 512-bit step,
+// an odd last block with 256-bit ops.
+template <int BB, __m256i (*BLOCK)(const uint8_t*)>
+float dot_blocks32(const uint8_t* row, const Act& a, int cols) {
     __m512 acc = _mm512_setzero_ps();
     const int nb = cols / 32;
     int b = 0;
-    for (; b + 2 <= nb; b += 2, row += 36) {
-        prefetch_ahead(row, 36);
-        const __m512i s = dot_s8s8(join(q4_0_block(row), q4_0_block(row + 18)), loadu(a.q8.q + 32 * b));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + 18) * a.q8.d[b + 1]), acc);
+    for (; b + 2 <= nb; b += 2, row += 2 * BB) {
+        prefetch_ahead(row, 2 * BB);
+        const __m512i s = dot_s8s8(join(BLOCK(row), BLOCK(row + BB)), loadu(a.q8.q + 32 * b));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + BB) * a.q8.d[b + 1]), acc);
     }
     float out = _mm512_reduce_add_ps(acc);
     if (b < nb) {
-        const __m256i w = q4_0_block(row), x = loadu256(a.q8.q + 32 * b);
+        const __m256i w = BLOCK(row), x = loadu256(a.q8.q + 32 * b);
         const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));
-        alignas(32) int32_t v[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(v), s);
-        int isum = 0;
-        for (int i = 0; i < 8; ++i) isum += v[i];
-        out += h2f(row) * a.q8.d[b] * static_cast<float>(isum);
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        out += h2f(row) * a.q8.d[b] * static_cast<float>(_mm_cvtsi128_si32(t));
     }
     return out;
 }
+
+float dot_q8_0(const uint8_t* row, const Act& a, int cols) { return dot_blocks32<34, q8_0_block>(row, a, cols); }
+float dot_q4_0(const uint8_t* row, const Act& a, int cols) { return dot_blocks32<18, q4_0_block>(row, a, cols); }
 
 template <bool FIVE>
 float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
