@@ -134,7 +134,7 @@ def quantize_pack(src: Path, out: Path, preset: str) -> None:
     """``src``'s model with its experts re-encoded by ``preset`` (the resident file is hard-linked)."""
     from lean_qwenflash.io_engine import crc32c
     from lean_qwenflash.quant import get_encoding
-    from lean_qwenflash.quant.presets import expert_encodings, with_fallback
+    from lean_qwenflash.store.packer import plan_records
 
     if (out / "manifest.json").is_file():
         return
@@ -143,14 +143,9 @@ def quantize_pack(src: Path, out: Path, preset: str) -> None:
         os.link(src / fmt.RESIDENT, out / fmt.RESIDENT)
     doc = json.loads((src / fmt.MANIFEST).read_text())
     old = fmt.parse_manifest(doc, str(src))
-    layers, offset, first = [], 0, 0
-    for i, rec in enumerate(old.layers):
-        inter, hidden = rec.tensors[0].shape[0] // 2, rec.tensors[0].shape[1]
-        encodings, _ = with_fallback(expert_encodings(preset, i, len(old.layers)),
-                                     {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}, "bf16")
-        layers.append(fmt.layout_layer(rec.layer_idx, rec.num_experts, hidden, inter, encodings, offset, first))
-        offset += rec.num_experts * layers[-1].record_bytes
-        first += rec.num_experts
+    inter, hidden = old.layers[0].tensors[0].shape[0] // 2, old.layers[0].tensors[0].shape[1]
+    layers, offset, _ = plan_records([l.layer_idx for l in old.layers], old.layers[0].num_experts, hidden, inter,
+                                     preset, "bf16")
     crcs, t0 = [], time.perf_counter()
     with open(src / fmt.EXPERTS, "rb") as fin, open(out / fmt.EXPERTS, "wb") as fout:
         for rec_old, rec in zip(old.layers, layers):

@@ -50,6 +50,25 @@ def _progress(total_bytes: int, enabled: bool):
                 file=sys.stderr, dynamic_ncols=True)
 
 
+def plan_records(moe_layers, num_experts: int, hidden: int, inter: int, quant, float_encoding: str):
+    """The record table for ``quant`` (a preset, or None: every projection in ``float_encoding``):
+    (layers, experts_bytes, notes), where notes name the projections that fell back to float."""
+    shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+    layers, offset, first, fallbacks = [], 0, 0, {}
+    for i, layer_idx in enumerate(moe_layers):
+        encodings = expert_encodings(quant, i, len(moe_layers)) if quant else \
+            {"gate_up": float_encoding, "down": float_encoding}
+        encodings, why = with_fallback(encodings, shapes, float_encoding)
+        for n in why:
+            fallbacks.setdefault(n, []).append(layer_idx)
+        rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, encodings, offset, first)
+        layers.append(rec)
+        offset += rec.num_experts * rec.record_bytes
+        first += rec.num_experts
+    notes = [f"{why} (layers {', '.join(map(str, ls))})" for why, ls in fallbacks.items()]
+    return layers, offset, notes
+
+
 def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progress: bool = True,
          quant: str | None = None) -> fmt.Manifest:
     """Pack ``hf_dir`` into ``out_dir``; returns the manifest. ``dtype`` (float32, float16,
@@ -73,20 +92,7 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         raise ValueError(f"--quant {quant} and --dtype {dtype} disagree; give one of them")
 
     num_experts, _, hidden, inter = ckpt.expert_dims()
-    shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-    layers, offset, first, fallbacks = [], 0, 0, {}
-    moe_layers = ckpt.moe_layers()
-    for i, layer_idx in enumerate(moe_layers):
-        encodings = expert_encodings(quant, i, len(moe_layers)) if quant else \
-            {"gate_up": float_encoding, "down": float_encoding}
-        encodings, why = with_fallback(encodings, shapes, float_encoding)
-        for n in why:
-            fallbacks.setdefault(n, []).append(layer_idx)
-        rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, encodings, offset, first)
-        layers.append(rec)
-        offset += rec.num_experts * rec.record_bytes
-        first += rec.num_experts
-    notes = [f"{why} (layers {', '.join(map(str, ls))})" for why, ls in fallbacks.items()]
+    layers, offset, notes = plan_records(ckpt.moe_layers(), num_experts, hidden, inter, quant, float_encoding)
     resident = sorted(ckpt.resident_keys.items())
     resident_bytes = sum(ckpt.nbytes(k) for _, k in resident)   # progress counts source bytes
     bar = _progress(offset + resident_bytes, progress)
