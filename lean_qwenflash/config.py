@@ -16,8 +16,6 @@ import yaml
 
 IO_ENGINES = ("auto", "uring", "pread")
 DTYPES = ("float32", "bfloat16", "float16")
-EXPERT_KERNELS = ("fast", "exact")   # models.kernels: native fused decode | dequantize + torch
-CPU_ISAS = ("auto", "scalar", "avx2", "avx512")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -102,6 +100,9 @@ class RuntimeConfig:
             raise ConfigError(f"io_engine: must be one of {', '.join(IO_ENGINES)}, got {self.io_engine!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        # The kernel modes and ISAs are defined where the kernels are.
+        from .models.kernels import EXPERT_KERNELS
+        from .models.native import KERNEL_ISAS as CPU_ISAS
         if self.expert_kernels not in EXPERT_KERNELS:
             raise ConfigError(f"expert_kernels: must be one of {', '.join(EXPERT_KERNELS)}, got {self.expert_kernels!r}")
         if self.cpu_threads < 0:

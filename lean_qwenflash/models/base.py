@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lean_qwenflash.models import kernels
+from lean_qwenflash.models import kernels, native
 from lean_qwenflash.models.layers import Linear, Rotary, SparseMoeBlock
 
 
@@ -75,14 +75,11 @@ class CausalLM(nn.Module):
         """Math on quantized weights (routed experts, quantized resident linears): ``exact`` or ``fast``
         (see models.kernels);
         ``isa`` forces a native kernel path (auto, scalar, avx2, avx512)."""
-        from .kernels import EXPERT_KERNELS
-        from .native import KERNEL_ISAS
-        if mode not in EXPERT_KERNELS or isa not in KERNEL_ISAS:
-            raise ValueError(f"expert kernels must be one of {EXPERT_KERNELS} and isa one of {KERNEL_ISAS}; "
+        if mode not in kernels.EXPERT_KERNELS or isa not in native.KERNEL_ISAS:
+            raise ValueError(f"expert kernels must be one of {kernels.EXPERT_KERNELS} and isa one of {native.KERNEL_ISAS}; "
                              f"got {mode!r}, {isa!r}")
         for block in self.moe_blocks():
             block.expert_kernels, block.kernel_isa = mode, isa
-        from .layers import Linear
         for m in self.modules():
             if isinstance(m, Linear) and m.qweight is not None:
                 m.kernel_mode, m.kernel_isa = mode, isa

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..quant import QuantTensor
 from . import native
 
-EXPERT_KERNELS = ("exact", "fast")
+EXPERT_KERNELS = ("fast", "exact")     # config key expert_kernels
 
 try:  # pragma: no cover - CUDA-only optional dependency
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
