@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from .config import format_size
+from .doctor import sizes_line
 from .quant.presets import PRESETS as QUANT_PRESETS
 
 
@@ -22,10 +23,7 @@ def cmd_pack(args) -> int:
 
 def encoding_summary(m) -> str:
     """One line per expert projection: its encodings and their bytes over the whole pack."""
-    lines = []
-    for name, per in m.encodings().items():
-        parts = ", ".join(f"{enc} {format_size(n)}" for enc, n in sorted(per.items()))
-        lines.append(f"  {name:8s} {parts}")
+    lines = [f"  {name:8s} {sizes_line(per)}" for name, per in m.encodings().items()]
     return "encodings:\n" + "\n".join(lines) if lines else "encodings: (no routed experts)"
 
 
@@ -43,10 +41,7 @@ def cmd_inspect(args) -> int:
                   + (" (layers differ; see encodings)" if len({l.tensors for l in m.layers}) > 1 else ""))
         print(encoding_summary(m))
         if m.resident:
-            per: dict = {}
-            for t in m.resident:
-                per[t.encoding] = per.get(t.encoding, 0) + t.nbytes
-            print("resident:     " + ", ".join(f"{enc} {format_size(n)}" for enc, n in sorted(per.items())))
+            print("resident:     " + sizes_line(m.resident_encodings()))
         for note in m.notes:
             print(f"note:         {note}")
         print(f"I/O engine:   {store.engine.kind if store.engine else '-'}"

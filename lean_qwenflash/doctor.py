@@ -8,6 +8,11 @@ from typing import Optional
 
 from .config import format_size
 
+
+def sizes_line(per_encoding: dict) -> str:
+    """``{"q4_k": 123, "q6_k": 45}`` -> "q4_k 123B, q6_k 45B" (doctor, pack and inspect)."""
+    return ", ".join(f"{enc} {format_size(n)}" for enc, n in sorted(per_encoding.items()))
+
 MiB = 1 << 20
 
 
@@ -146,7 +151,7 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
         out(f"pack:          {pack}: {format_size(experts)} of experts ({format_size(slot)} records), "
             f"{format_size(resident)} resident")
         for name, per in encodings.items():
-            out(f"               {name}: " + ", ".join(f"{enc} {format_size(n)}" for enc, n in sorted(per.items())))
+            out(f"               {name}: " + sizes_line(per))
         margin = 2 * 1024**3
         if vram_free:
             device = max(0, min(experts, vram_free - resident - margin))

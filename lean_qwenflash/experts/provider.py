@@ -36,17 +36,16 @@ def _like(w: Weight, raw: torch.Tensor) -> Weight:
     return raw.view(w.dtype).view(w.shape)
 
 
-def aligned_record(gate_up: Weight, down: Weight, alignment_bytes: int = RECORD_ALIGNMENT_BYTES,
-                   down_offset: int = 0) -> ExpertWeights:
+def aligned_record(gate_up: Weight, down: Weight, alignment_bytes: int = RECORD_ALIGNMENT_BYTES) -> ExpertWeights:
     """Copy one expert into a fresh ``alignment_bytes``-aligned buffer laid out like a store record:
-    ``gate_up`` at the start, ``down`` at ``down_offset`` (default: right after it).
+    ``gate_up`` at the start, ``down`` right after it.
 
     BLAS kernels pick code paths by pointer alignment, so the same weights at different alignments
     can give different low-order bits. Keeping resident experts in record layout makes them
     bit-identical to a streaming provider that returns views into aligned slots.
     """
     gu, dn = _raw(gate_up), _raw(down)
-    down_offset = down_offset or gu.numel()
+    down_offset = gu.numel()
     num_bytes = down_offset + dn.numel()
     raw = torch.empty(num_bytes + alignment_bytes, dtype=torch.uint8, device=gu.device)
     start = (-raw.data_ptr()) % alignment_bytes

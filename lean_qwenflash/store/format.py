@@ -140,6 +140,13 @@ class Manifest:
                 per[t.encoding] = per.get(t.encoding, 0) + t.nbytes * l.num_experts
         return out
 
+    def resident_encodings(self) -> dict:
+        """{encoding: bytes} over resident.safetensors (empty for v1 packs)."""
+        out: dict = {}
+        for t in self.resident:
+            out[t.encoding] = out.get(t.encoding, 0) + t.nbytes
+        return out
+
     @property
     def num_records(self) -> int:
         return sum(l.num_experts for l in self.layers)
