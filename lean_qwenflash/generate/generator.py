@@ -21,8 +21,9 @@ class Generator:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         self.model = model
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.device = model.model.embed_tokens.weight.device
-        self.vocab_size = model.model.embed_tokens.weight.shape[0]
+        embed = model.model.embed_tokens
+        self.device = (embed.qweight.raw if embed.qweight is not None else embed.weight).device
+        self.vocab_size = embed.num_embeddings
 
     def new_state(self) -> ModelState:
         return new_state(self.model)

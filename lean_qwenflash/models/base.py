@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lean_qwenflash.models import kernels, native
-from lean_qwenflash.models.layers import Linear, Rotary, SparseMoeBlock
+from lean_qwenflash.models.layers import Embedding, Linear, Rotary, SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
@@ -53,7 +53,7 @@ class CausalLM(nn.Module):
         self.config = config
         vocab_size, hidden_size = int(config["vocab_size"]), int(config["hidden_size"])
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.model.embed_tokens = Embedding(vocab_size, hidden_size)
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = norm
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
@@ -81,7 +81,7 @@ class CausalLM(nn.Module):
         for block in self.moe_blocks():
             block.expert_kernels, block.kernel_isa = mode, isa
         for m in self.modules():
-            if isinstance(m, Linear) and m.qweight is not None:
+            if isinstance(m, (Linear, Embedding)) and m.qweight is not None:
                 m.kernel_mode, m.kernel_isa = mode, isa
 
     def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
@@ -118,7 +118,7 @@ class CausalLM(nn.Module):
             x = x[:, -1:]
         x = self.model.norm(x)
         if self.lm_head is None:
-            return kernels.linear(x, self.model.embed_tokens.weight)
+            return self.model.embed_tokens.as_head(x)
         return self.lm_head(x)
 
 

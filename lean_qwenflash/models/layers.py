@@ -47,6 +47,36 @@ class Linear(nn.Linear):
         return kernels.linear(x, self.weight, self.bias)
 
 
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be block-quantized rows (GGUF files quantize it): a lookup
+    then dequantizes only the rows asked for, exactly, and a tied output head multiplies by the
+    encoded rows (``kernels.quant_linear``)."""
+
+    qweight = None
+    kernel_mode, kernel_isa = "fast", "auto"
+
+    def set_quantized(self, qweight, dtype: torch.dtype) -> None:
+        if tuple(qweight.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"quantized embeddings {tuple(qweight.shape)} do not fit "
+                             f"[{self.num_embeddings}, {self.embedding_dim}]")
+        del self.weight
+        self.qweight, self.qdtype = qweight, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return super().forward(ids)
+        from lean_qwenflash.quant import get_encoding
+        rows = self.qweight.raw[ids.reshape(-1)]
+        values = get_encoding(self.qweight.encoding).dequantize(rows, self.embedding_dim)
+        return values.to(self.qdtype).view(*ids.shape, self.embedding_dim)
+
+    def as_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits through the (tied) table: x @ tableᵀ."""
+        if self.qweight is None:
+            return kernels.linear(x, self.weight)
+        return kernels.quant_linear(x, self.qweight, None, self.kernel_mode, self.kernel_isa)
+
+
 class RMSNorm(nn.Module):
     """``w * x / rms(x)``; ``zero_centred`` (Qwen3-Next) stores ``w - 1``, i.e. computes ``(1 + w)``."""
 

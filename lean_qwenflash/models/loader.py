@@ -12,7 +12,7 @@ from typing import Mapping, Union
 import torch
 
 from lean_qwenflash.experts.provider import ExpertProvider, ResidentExperts, aligned_record
-from lean_qwenflash.models.layers import Linear
+from lean_qwenflash.models.layers import Embedding, Linear
 from lean_qwenflash.quant import QuantTensor
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
@@ -65,10 +65,14 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     quantized = {k for k, v in tensors.items() if isinstance(v, QuantTensor) and k in expected}
     for key in quantized:
         module = model.get_submodule(key.rsplit(".", 1)[0])
-        if not isinstance(module, Linear) or not key.endswith(".weight"):
-            raise CheckpointError(f"tensor {key!r} is block-quantized but is not a linear layer's weight")
-        q = tensors[key]
-        module.set_quantized(QuantTensor(q.raw.to(device), q.encoding, q.shape))
+        if not isinstance(module, (Linear, Embedding)) or not key.endswith(".weight"):
+            raise CheckpointError(f"tensor {key!r} is block-quantized but is not a linear layer's or "
+                                  "embedding's weight")
+        q = QuantTensor(tensors[key].raw.to(device), tensors[key].encoding, tensors[key].shape)
+        if isinstance(module, Embedding):
+            module.set_quantized(q, dtype)
+        else:
+            module.set_quantized(q)
     state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected if k not in quantized}
     model.load_state_dict(state, strict=True, assign=True)
     model.set_expert_provider(provider)

@@ -3,7 +3,10 @@
 Names and config keys come from :mod:`.gguf_names`. Experts are stacked per layer into GGUF's
 3-D tensors; matrices are written in ``encoding`` (bf16, f16 or f32), norms and routers in f32 (as
 llama.cpp's own converter does). The vocabulary is a stand-in (byte tokens plus numbered pieces,
-SentencePiece-style) sized to the checkpoint's ``vocab_size``: exports are driven by token ids.
+SentencePiece-style) sized to the checkpoint's ``vocab_size``, unless the directory has a byte-level BPE
+``tokenizer.json`` (then that vocabulary, its merges and chat template go in, see
+:mod:`.gguf_tokenizer`). Tensors the table marks as transformed (llama's q/k row order, Qwen3-Next's
+``A_log``...) are written the way llama.cpp's converter writes them.
 The file is streamed tensor by tensor, so a checkpoint larger than RAM exports fine.
 """
 from __future__ import annotations
@@ -15,7 +18,8 @@ import torch
 
 from .checkpoint import HFCheckpoint
 from . import naming
-from .gguf_names import EXPERT_KEYS, gguf_arch, hf_to_gguf_tensor
+from .gguf_names import EXPERT_KEYS, gguf_arch, hf_to_gguf_tensor, transform_for
+from .gguf_tokenizer import TokenizerConversionError, gguf_tokenizer_metadata
 
 ENCODINGS = ("bf16", "f16", "f32")
 
@@ -52,6 +56,51 @@ def _array(t: torch.Tensor, encoding: str) -> np.ndarray:
     return t.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
 
 
+def _add_value(w, key: str, value) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, (list, tuple)):
+        w.add_array(key, list(value))
+    else:
+        w.add_uint32(key, int(value))
+
+
+def _add_tokenizer(w, hf_dir: Path, vocab: int) -> None:
+    """The directory's byte-level BPE tokenizer when it has one, else a stand-in SPM vocabulary."""
+    if (hf_dir / "tokenizer.json").is_file():
+        try:
+            meta = gguf_tokenizer_metadata(hf_dir)
+        except TokenizerConversionError:
+            meta = None
+        if meta and len(meta["tokenizer.ggml.tokens"]) <= vocab:
+            tokens = meta["tokenizer.ggml.tokens"] + [f"[PAD{i}]" for i in range(len(meta["tokenizer.ggml.tokens"]), vocab)]
+            types = meta["tokenizer.ggml.token_type"] + [5] * (vocab - len(meta["tokenizer.ggml.token_type"]))
+            w.add_tokenizer_model("gpt2")
+            w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+            w.add_token_list(tokens)
+            w.add_token_types(types)
+            w.add_token_merges(meta["tokenizer.ggml.merges"])
+            for key, add in (("bos", w.add_bos_token_id), ("eos", w.add_eos_token_id), ("padding", w.add_pad_token_id)):
+                if f"tokenizer.ggml.{key}_token_id" in meta:
+                    add(meta[f"tokenizer.ggml.{key}_token_id"])
+            w.add_add_bos_token(meta["tokenizer.ggml.add_bos_token"])
+            if "tokenizer.chat_template" in meta:
+                w.add_chat_template(meta["tokenizer.chat_template"])
+            return
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (vocab - 259)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([-float(i) for i in range(vocab)])
+    w.add_token_types(types[:vocab])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
 def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
     """Write ``hf_dir`` to ``out_path`` (GGUF v3); returns the path."""
     import gguf
@@ -80,17 +129,10 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
             w.add_uint32(f"{arch.gguf_arch}.{gkey}", value)
     if cfg.get("head_dim"):
         w.add_uint32(f"{arch.gguf_arch}.attention.value_length", int(cfg["head_dim"]))
-    vocab = int(cfg["vocab_size"])
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"\u2581t{i}" for i in range(vocab - len(tokens))]
-    types = [2, 3, 3] + [6] * 256 + [1] * (vocab - 259)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens[:vocab])
-    w.add_token_scores([-float(i) for i in range(vocab)])
-    w.add_token_types(types[:vocab])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    if arch.extra_metadata:
+        for key, value in arch.extra_metadata(cfg).items():
+            _add_value(w, f"{arch.gguf_arch}.{key}", value)
+    _add_tokenizer(w, Path(hf_dir), int(cfg["vocab_size"]))
 
     # (name, shape, encoding, callable producing the data), in file order: the header needs every
     # tensor's shape and type before any data, so the data is made once, when it is written.
@@ -98,7 +140,11 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
     for canon, key in sorted(ckpt.resident_keys.items()):
         name = hf_to_gguf_tensor(arch, canon)
         enc = "f32" if name.endswith("ffn_gate_inp.weight") else encoding
-        writes.append((name, tuple(ckpt.shape(key)), enc, lambda key=key: ckpt.get(key)))
+        tr = transform_for(arch, canon)
+        make = (lambda key=key: ckpt.get(key)) if tr is None else \
+            (lambda key=key, tr=tr: tr.to_gguf(ckpt.get(key).float(), cfg))
+        shape = tuple(ckpt.shape(key)) if tr is None else tuple(make().shape)
+        writes.append((name, shape, enc, make))
     if ckpt.moe_layers():
         num_experts, _, hidden, inter = ckpt.expert_dims()
         for layer in ckpt.moe_layers():

@@ -1,21 +1,68 @@
-"""The one table between Hugging Face and GGUF names: tensors and config keys, per architecture.
+"""The one table between Hugging Face and GGUF: tensor names, data transforms and config keys, per
+architecture. The GGUF importer (:mod:`.gguf_file`) and exporter (:mod:`.gguf_export`) both read it.
 
 GGUF (llama.cpp's format) names tensors ``blk.{L}.attn_q.weight`` where Hugging Face has
 ``model.layers.{L}.self_attn.q_proj.weight``, stacks routed experts into 3-D tensors
 (``blk.{L}.ffn_{gate,up,down}_exps.weight``, [E, rows, cols] in row-major terms), and keeps config
-values under ``{arch}.`` keys. Everything that maps one to the other reads it from here.
-GGUF shapes are listed innermost-first (``ne``): a row-major HF matrix [rows, cols] is GGUF
-[cols, rows], with the same bytes.
+values under ``{arch}.`` keys. GGUF shapes are listed innermost-first (``ne``): a row-major HF
+matrix [rows, cols] is GGUF [cols, rows], with the same bytes.
+
+Some tensors are stored differently, not just renamed (llama.cpp's converter changes them):
+
+* row permutations (``Permute``): llama's q/k rows are interleaved per head for its rotary
+  convention. Block-quantized rows are independent, so a permutation moves whole encoded rows and
+  stays byte-exact;
+* value transforms (``Values``): e.g. Qwen3-Next's ``A_log`` is stored as ``-exp(A_log)``. They
+  need float data (these are small vectors, always f32 in GGUF files).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Permute:
+    """GGUF rows = HF rows[perm(config)] (a row permutation; exact on encoded rows too)."""
+
+    perm: Callable[[dict], torch.Tensor]
+
+    def to_gguf(self, rows, config: dict):
+        return rows[self.perm(config)]
+
+    def to_hf(self, rows, config: dict):
+        return rows[torch.argsort(self.perm(config))]
+
+
+@dataclass(frozen=True)
+class Values:
+    """A float transform and its inverse (shape changes included)."""
+
+    to_gguf: Callable[[torch.Tensor, dict], torch.Tensor]
+    to_hf: Callable[[torch.Tensor, dict], torch.Tensor]
+
+
+def _rope_interleave(num_heads_key: str) -> Permute:
+    """llama.cpp's llama rotary pairs neighbouring rows (2i, 2i+1) of each head where HF pairs
+    (i, i + D/2): GGUF row h*D + 2i + s is HF row h*D + s*D/2 + i."""
+    def perm(config: dict) -> torch.Tensor:
+        heads = int(config[num_heads_key])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+        half = head_dim // 2
+        i = torch.arange(half).repeat_interleave(2)          # 0 0 1 1 ...
+        s = torch.arange(2).repeat(half)                     # 0 1 0 1 ...
+        one = s * half + i
+        return (torch.arange(heads)[:, None] * head_dim + one[None, :]).reshape(-1)
+    return Permute(perm)
 
 
 @dataclass(frozen=True)
 class GGUFArch:
     family: str                   # our model family
     gguf_arch: str                # general.architecture
+    hf_architecture: str          # config.json "architectures"
     # HF name under model.layers.{L}. -> GGUF name under blk.{L}. (resident tensors)
     layer_tensors: dict
     # our expert projection -> GGUF stacked tensor under blk.{L}.
@@ -23,6 +70,16 @@ class GGUFArch:
         "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"})
     # HF config key -> GGUF key (without the "{arch}." prefix)
     config_keys: dict = field(default_factory=dict)
+    # HF suffix under model.layers.{L}. -> Permute or Values
+    transforms: dict = field(default_factory=dict)
+    # config keys llama.cpp does not store, with the value its graph implies for this arch
+    implied_config: dict = field(default_factory=dict)
+    # HF config keys of the expert count / expert width for this family
+    num_experts_key: str = "num_experts"
+    expert_width_key: str = "moe_intermediate_size"
+    # extra config read from / written to GGUF metadata: (meta, tensors) -> dict, config -> dict
+    extra_config: Optional[Callable] = None
+    extra_metadata: Optional[Callable] = None
 
 
 GLOBAL_TENSORS = {
@@ -58,12 +115,25 @@ _COMMON_KEYS = {
     "head_dim": "attention.key_length",
 }
 
-# Expert counts come from naming.expert_dims (the HF key differs per family).
+# GGUF keys of (expert count, experts per token, expert width), without the "{arch}." prefix.
 EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length")
 
+_MIXTRAL_TENSORS = {k.replace("mlp.gate.weight", "block_sparse_moe.gate.weight"): v
+                    for k, v in _ATTENTION.items() if "_norm." not in k}
+
 ARCHS = {a.family: a for a in (
-    GGUFArch("qwen3_moe", "qwen3moe", dict(_ATTENTION), config_keys=dict(_COMMON_KEYS)),
+    GGUFArch("qwen3_moe", "qwen3moe", "Qwen3MoeForCausalLM", dict(_ATTENTION), config_keys=dict(_COMMON_KEYS),
+             implied_config={"norm_topk_prob": True}),
+    GGUFArch("olmoe", "olmoe", "OlmoeForCausalLM", dict(_ATTENTION), config_keys=dict(_COMMON_KEYS),
+             implied_config={"norm_topk_prob": False}, expert_width_key="intermediate_size"),
+    # Mixtral is llama.cpp's "llama" with experts; its q/k rows are interleaved for llama's rotary.
+    GGUFArch("mixtral", "llama", "MixtralForCausalLM", _MIXTRAL_TENSORS, config_keys=dict(_COMMON_KEYS),
+             transforms={"self_attn.q_proj.weight": _rope_interleave("num_attention_heads"),
+                         "self_attn.k_proj.weight": _rope_interleave("num_key_value_heads")},
+             num_experts_key="num_local_experts", expert_width_key="intermediate_size"),
 )}
+
+BY_GGUF_ARCH = {a.gguf_arch: a for a in ARCHS.values()}
 
 
 def gguf_arch(family: str) -> GGUFArch:
@@ -73,11 +143,40 @@ def gguf_arch(family: str) -> GGUFArch:
         raise ValueError(f"no GGUF name mapping for model family {family!r} (have: {', '.join(ARCHS)})") from None
 
 
+def split_layer_name(name: str, prefix: str):
+    """(layer, suffix) for ``{prefix}.{L}.{suffix}``, else None."""
+    parts = name.split(".", 2) if prefix == "blk" else name.split(".", 3)
+    if prefix == "blk" and len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    if prefix == "model.layers" and len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2]), parts[3]
+    return None
+
+
 def hf_to_gguf_tensor(arch: GGUFArch, hf_name: str) -> str:
     """GGUF name of a resident HF tensor; ValueError names the tensor it cannot map."""
     if hf_name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[hf_name]
-    parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in arch.layer_tensors:
-        return f"blk.{parts[2]}.{arch.layer_tensors[parts[3]]}"
+    split = split_layer_name(hf_name, "model.layers")
+    if split and split[1] in arch.layer_tensors:
+        return f"blk.{split[0]}.{arch.layer_tensors[split[1]]}"
     raise ValueError(f"{arch.gguf_arch}: no GGUF name for tensor {hf_name!r}")
+
+
+def gguf_to_hf_tensor(arch: GGUFArch, gguf_name: str) -> Optional[str]:
+    """HF name of a resident GGUF tensor, or None when the table has no entry for it."""
+    for hf, g in GLOBAL_TENSORS.items():
+        if g == gguf_name:
+            return hf
+    split = split_layer_name(gguf_name, "blk")
+    if split:
+        for hf, g in arch.layer_tensors.items():
+            if g == split[1]:
+                return f"model.layers.{split[0]}.{hf}"
+    return None
+
+
+def transform_for(arch: GGUFArch, hf_name: str):
+    """The Permute/Values transform of a resident HF tensor, or None."""
+    split = split_layer_name(hf_name, "model.layers")
+    return arch.transforms.get(split[1]) if split else None

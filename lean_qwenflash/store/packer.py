@@ -50,17 +50,22 @@ def _progress(total_bytes: int, enabled: bool):
                 file=sys.stderr, dynamic_ncols=True)
 
 
-def plan_records(moe_layers, num_experts: int, hidden: int, inter: int, quant, float_encoding: str):
-    """The record table for ``quant`` (a preset, or None: every projection in ``float_encoding``):
+def plan_records(moe_layers, num_experts: int, hidden: int, inter: int, quant, float_encoding: str,
+                 stored=None):
+    """The record table for ``quant`` (a preset, or None: every projection in ``float_encoding``,
+    or as ``stored(layer_idx)`` says: the encodings a GGUF file already holds):
     (layers, experts_bytes, notes), where notes name the projections that fell back to float."""
     shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
     layers, offset, first, fallbacks = [], 0, 0, {}
     for i, layer_idx in enumerate(moe_layers):
-        encodings = expert_encodings(quant, i, len(moe_layers)) if quant else \
-            {"gate_up": float_encoding, "down": float_encoding}
-        encodings, why = with_fallback(encodings, shapes, float_encoding)
-        for n in why:
-            fallbacks.setdefault(n, []).append(layer_idx)
+        if stored is not None:
+            encodings = stored(layer_idx)
+        else:
+            encodings = expert_encodings(quant, i, len(moe_layers)) if quant else \
+                {"gate_up": float_encoding, "down": float_encoding}
+            encodings, why = with_fallback(encodings, shapes, float_encoding)
+            for n in why:
+                fallbacks.setdefault(n, []).append(layer_idx)
         rec = fmt.layout_layer(layer_idx, num_experts, hidden, inter, encodings, offset, first)
         layers.append(rec)
         offset += rec.num_experts * rec.record_bytes
@@ -69,18 +74,64 @@ def plan_records(moe_layers, num_experts: int, hidden: int, inter: int, quant, f
     return layers, offset, notes
 
 
+def open_checkpoint(path):
+    """The checkpoint at ``path``: an HF directory, or a GGUF file / first shard / shard directory."""
+    from .gguf_file import GGUFCheckpoint, is_gguf
+    return GGUFCheckpoint(path) if is_gguf(path) else HFCheckpoint(path)
+
+
+def _stored_resident(ckpt, config: dict) -> tuple[dict, list]:
+    """For a GGUF source packed as stored: {canonical name: encoding or None (float)} and notes.
+    Block-quantized matrices keep their encoding where the model reads them through a kernel
+    (linear layers, the embedding table); anything else is dequantized to f32, and said."""
+    from ..models.layers import Embedding, Linear
+    from ..models.loader import family_module
+    with torch.device("meta"):
+        model = family_module(config).build(config)
+    out, dequantized = {}, {}
+    for canon, k in ckpt.resident_keys.items():
+        enc = ckpt.stored_encoding(k)
+        if enc is None:
+            dequantized.setdefault(f"{ckpt.type_name(k)} (no kernel for it)", []).append(canon)
+        elif not get_encoding(enc).is_float:
+            try:
+                module = model.get_submodule(canon.rsplit(".", 1)[0])
+            except AttributeError:
+                module = None
+            if isinstance(module, (Linear, Embedding)) and canon.endswith(".weight") and \
+                    transform_kind(ckpt, canon) != "values":
+                out[canon] = enc
+                continue
+            dequantized.setdefault(f"{enc} (not a matrix the kernels read)", []).append(canon)
+        out[canon] = None
+    notes = [f"resident {why}: dequantized to f32: {', '.join(sorted(names)[:4])}" + (" ..." if len(names) > 4 else "")
+             for why, names in dequantized.items()]
+    return out, notes
+
+
+def transform_kind(ckpt, canon: str):
+    from .gguf_names import Values, transform_for
+    return "values" if isinstance(transform_for(ckpt.arch, canon), Values) else None
+
+
 def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progress: bool = True,
-         quant: str | None = None) -> fmt.Manifest:
-    """Pack ``hf_dir`` into ``out_dir``; returns the manifest. ``dtype`` (float32, float16,
-    bfloat16) converts the routed experts; by default they keep the checkpoint's dtype. ``quant``
-    (a preset of :mod:`lean_qwenflash.quant.presets`: q4_k_m, q4_k, q5_k, q6_k, q8_0, bf16, ...)
-    encodes them instead; projections a block encoding cannot hold stay in the float dtype."""
-    ckpt = HFCheckpoint(hf_dir)
+         quant: str | None = None, tokenizer_dir=None) -> fmt.Manifest:
+    """Pack ``hf_dir`` into ``out_dir``; returns the manifest.
+
+    ``hf_dir`` is a Hugging Face checkpoint directory, or a GGUF file (first shard, or a directory
+    of shards). ``dtype`` (float32, float16, bfloat16) converts the routed experts; by default they
+    keep the checkpoint's dtype, and a GGUF file's experts and quantized matrices are copied as
+    stored, byte for byte. ``quant`` (a preset of :mod:`lean_qwenflash.quant.presets`: q4_k_m,
+    q4_k, q5_k, q6_k, q8_0, bf16, ...) encodes them instead; projections a block encoding cannot
+    hold stay in the float dtype. ``tokenizer_dir`` takes the tokenizer files from an HF
+    directory instead of the checkpoint (or the GGUF metadata)."""
+    src = Path(hf_dir)
     out_dir = Path(out_dir).resolve()
     if out_dir.exists() and not force:
         raise FileExistsError(f"{out_dir} already exists; choose another output directory or pass --force to replace it")
-    if Path(hf_dir).resolve() == out_dir:
+    if src.resolve() == out_dir:
         raise ValueError("the output directory must differ from the checkpoint directory")
+    ckpt = open_checkpoint(src)
     ckpt.check_experts()
     if dtype is not None and dtype not in TORCH_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}; got {dtype!r}")
@@ -90,10 +141,15 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     float_encoding = BY_DTYPE_NAME[TORCH_NAMES[expert_dtype]]
     if quant in DTYPE_NAME and dtype and quant != float_encoding:
         raise ValueError(f"--quant {quant} and --dtype {dtype} disagree; give one of them")
+    # A GGUF source keeps its encodings unless --quant/--dtype asks for a conversion.
+    as_stored = hasattr(ckpt, "expert_raw") and quant is None and dtype is None
 
     num_experts, _, hidden, inter = ckpt.expert_dims()
-    layers, offset, notes = plan_records(ckpt.moe_layers(), num_experts, hidden, inter, quant, float_encoding)
+    layers, offset, notes = plan_records(ckpt.moe_layers(), num_experts, hidden, inter, quant, float_encoding,
+                                         stored=ckpt.expert_encodings if as_stored else None)
     resident = sorted(ckpt.resident_keys.items())
+    if as_stored:
+        stored_enc, stored_notes = _stored_resident(ckpt, ckpt.config)
     resident_bytes = sum(ckpt.nbytes(k) for _, k in resident)   # progress counts source bytes
     bar = _progress(offset + resident_bytes, progress)
 
@@ -102,7 +158,18 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         print(f"removing {tmp}, left over from an interrupted pack", file=sys.stderr)
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    try:
+        return _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant, as_stored,
+                           stored_enc if as_stored else None, stored_notes if as_stored else [], bar, tokenizer_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)     # nothing half-written stays behind
+        raise
+    finally:
+        bar.close()
 
+
+def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant, as_stored, stored_enc,
+                stored_notes, bar, tokenizer_dir) -> fmt.Manifest:
     # Routed experts: one record at a time.
     crcs = []
     with open(tmp / fmt.EXPERTS, "wb") as f:
@@ -111,9 +178,15 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
             view = memoryview(buf)
             encoders = [get_encoding(slot.encoding) for slot in rec.tensors]
             for e in range(rec.num_experts):
-                gate_up, down = ckpt.expert(rec.layer_idx, e)
-                for slot, enc, t in zip(rec.tensors, encoders, (gate_up, down)):
-                    data = enc.quantize(t).contiguous().view(torch.uint8).reshape(-1).numpy()
+                if as_stored:   # the file's bytes, unchanged
+                    parts = ckpt.expert_raw(rec.layer_idx, e)
+                else:
+                    parts = [enc.quantize(t).contiguous().view(torch.uint8).reshape(-1).numpy()
+                             for enc, t in zip(encoders, ckpt.expert(rec.layer_idx, e))]
+                for slot, data in zip(rec.tensors, parts):
+                    if data.size != slot.nbytes:
+                        raise CheckpointError(f"internal: layer {rec.layer_idx} expert {e} {slot.name} has "
+                                              f"{data.size} bytes, its slot {slot.nbytes}")
                     view[slot.offset:slot.offset + slot.nbytes] = data
                 crcs.append(crc32c(buf))
                 f.write(buf)
@@ -122,12 +195,15 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         os.fsync(f.fileno())
     (tmp / fmt.EXPERTS_IDX).write_bytes(fmt.encode_idx(crcs))
 
-    # Resident tensors: streamed into one safetensors file under their canonical names; matrices
-    # --quant encodes are stored as uint8 block rows (the manifest's `resident` says how to read them).
+    # Resident tensors: streamed into one safetensors file under their canonical names; block-encoded
+    # matrices are stored as uint8 block rows (the manifest's `resident` says how to read them).
     resident_enc, resident_fallback = {}, {}
     for canon, k in resident:
-        enc = resident_encoding(quant, canon) if quant else None
         shape = tuple(ckpt.shape(k))
+        if as_stored:
+            resident_enc[canon] = stored_enc[canon]
+            continue
+        enc = resident_encoding(quant, canon) if quant else None
         if enc and len(shape) == 2:
             why = row_encoding_error(get_encoding(enc), shape[1])
             if why:
@@ -136,6 +212,7 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         resident_enc[canon] = enc if len(shape) == 2 else None
     for why, names in resident_fallback.items():
         notes.append(f"resident {why}; kept float: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
+    notes.extend(stored_notes)
     entries = []
     for canon, k in resident:
         enc = resident_enc[canon]
@@ -145,21 +222,19 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     writer = StreamingSafetensorsWriter(tmp / fmt.RESIDENT, entries)
     resident_meta = []
     for (canon, k), (_, stored_shape, dt) in zip(resident, entries):
-        t = ckpt.get(k)
         enc = resident_enc[canon]
-        data = get_encoding(enc).quantize(t).contiguous() if enc else t
+        if as_stored and enc:
+            data = ckpt.get_encoded(k).raw        # the file's rows, unchanged (permuted where the table says)
+        else:
+            t = ckpt.get(k)
+            data = get_encoding(enc).quantize(t).contiguous() if enc else t.to(dt)
         writer.write(canon, data)
-        bar.update(t.nbytes)
+        bar.update(ckpt.nbytes(k))
         resident_meta.append(fmt.ResidentTensor(canon, tuple(ckpt.shape(k)), enc or BY_DTYPE_NAME[TORCH_NAMES[dt]],
                                                 data.nbytes))
     writer.close()
 
-    copied = []
-    for name in fmt.TOKENIZER_FILES:
-        src = Path(hf_dir) / name
-        if src.is_file():
-            shutil.copyfile(src, tmp / name)
-            copied.append(name)
+    copied = _tokenizer_files(ckpt, src, tmp, tokenizer_dir, notes)
     for name in [fmt.EXPERTS_IDX] + copied:
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
@@ -173,7 +248,6 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(tmp)
-    bar.close()
 
     if out_dir.exists():  # --force: swap in the new pack, then drop the old one
         old = out_dir.with_name(out_dir.name + ".old")
@@ -188,4 +262,29 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     return manifest
 
 
-__all__ = ["pack", "CheckpointError"]
+def _tokenizer_files(ckpt, src: Path, tmp: Path, tokenizer_dir, notes: list) -> list:
+    """Tokenizer files into the pack: from ``tokenizer_dir`` when given, else from the HF checkpoint
+    directory, else converted from the GGUF metadata (a conversion we cannot do is a note, not a
+    failure: the pack runs from token ids, and ``--tokenizer HF_DIR`` adds one)."""
+    source = Path(tokenizer_dir) if tokenizer_dir else (src if src.is_dir() and not hasattr(ckpt, "metadata") else None)
+    if tokenizer_dir and not (source / "tokenizer.json").is_file():
+        raise CheckpointError(f"--tokenizer {source}: no tokenizer.json there (pass an HF model directory)")
+    if source is not None:
+        copied = []
+        for name in fmt.TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+                copied.append(name)
+        return copied
+    if not hasattr(ckpt, "metadata"):
+        return []
+    from .gguf_tokenizer import TokenizerConversionError, write_tokenizer
+    try:
+        return write_tokenizer(ckpt.metadata, tmp)
+    except TokenizerConversionError as e:
+        notes.append(f"no tokenizer: {e}; add one with --tokenizer HF_DIR")
+        print(f"warning: {e}; the pack has no tokenizer (pass --tokenizer HF_DIR to add one)", file=sys.stderr)
+        return []
+
+
+__all__ = ["pack", "open_checkpoint", "CheckpointError"]

@@ -1,0 +1,405 @@
+"""Reading a GGUF model (one file, split shards, or a directory of shards) as a checkpoint.
+
+:class:`GGUFCheckpoint` answers the packer's questions the way :class:`.checkpoint.HFCheckpoint`
+does, in Hugging Face terms (names, shapes and config from :mod:`.gguf_names`), so the pack is the
+same kind of pack and ``models/`` does not know GGUF exists. In addition it hands out tensors in
+their stored encoding: routed experts as the exact bytes of the GGUF file (``expert_raw``), and
+resident matrices as :class:`~lean_qwenflash.quant.QuantTensor` rows (``get_encoded``).
+
+Files are read through ``gguf.GGUFReader``, which maps them: nothing is loaded until a tensor is
+asked for. Before any tensor is used, every tensor's type and extent are checked, so a truncated
+file, an unknown quantization type or a missing tensor is refused by name.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..quant import ENCODINGS, QuantTensor, get_encoding
+from . import naming
+from .checkpoint import CheckpointError
+from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Permute, Values, gguf_to_hf_tensor,
+                         split_layer_name, transform_for)
+
+GGUF_MAGIC = b"GGUF"
+_SHARD_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+# GGML type number -> our encoding name
+BY_GGML_TYPE = {e.ggml_type: name for name, e in ENCODINGS.items() if e.ggml_type >= 0}
+# GGUF tensors we know and do not need (llama.cpp's precomputed rope frequencies).
+IGNORED_TENSORS = ("rope_freqs.weight",)
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file that cannot be used; the message names the file and the tensor or key."""
+
+
+def is_gguf(path) -> bool:
+    """True for a .gguf file or a directory holding .gguf files (and no config.json)."""
+    p = Path(path)
+    if p.is_file():
+        with open(p, "rb") as f:
+            return f.read(4) == GGUF_MAGIC or p.suffix == ".gguf"
+    return p.is_dir() and not (p / "config.json").is_file() and any(p.glob("*.gguf"))
+
+
+def gguf_shards(path) -> list[Path]:
+    """The files of one GGUF model: ``path`` itself, all shards of a ``-0000i-of-0000N.gguf`` split
+    (given any shard), or the shards in a directory."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.gguf"))
+        if not files:
+            raise GGUFError(f"{p} holds no .gguf files")
+        stems = {m.group("stem") if (m := _SHARD_RE.match(f.name)) else f.name for f in files}
+        if len(stems) > 1:
+            raise GGUFError(f"{p} holds several GGUF models ({', '.join(sorted(stems))}); pass one file")
+        p = files[0]
+    if not p.is_file():
+        raise GGUFError(f"{p} does not exist")
+    m = _SHARD_RE.match(p.name)
+    if not m:
+        return [p]
+    n = int(m.group("n"))
+    shards = [p.with_name(f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [s.name for s in shards if not s.is_file()]
+    if missing:
+        raise GGUFError(f"{p.name} is shard {int(m.group('i'))} of {n}, but {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} missing from {p.parent}")
+    return shards
+
+
+def _reader_class():
+    import gguf
+
+    class CheckedReader(gguf.GGUFReader):
+        """GGUFReader that names the tensor when its type is unknown or its data runs past the file's end."""
+
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            known = {t.value for t in gguf.GGMLQuantizationType}
+            for fld in fields:
+                _, name_data, _, dims, raw_dtype, offset = fld.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                kind = int(raw_dtype[0])
+                if kind not in known:
+                    raise GGUFError(f"tensor {name!r} has GGML type {kind}, which the gguf package "
+                                    f"{gguf.__version__ if hasattr(gguf, '__version__') else ''} does not know "
+                                    "(a newer llama.cpp format?); upgrade gguf or use another file")
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+                nbytes = int(np.prod(dims)) * type_size // block
+                end = int(start_offs + offset[0]) + nbytes
+                if end > size:
+                    raise GGUFError(f"the file is truncated: tensor {name!r} needs bytes up to {end:,} "
+                                    f"but the file has {size:,}; download it again")
+            super()._build_tensors(start_offs, fields)
+    return CheckedReader
+
+
+def _open(path: Path):
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    try:
+        return _reader_class()(str(path))
+    except GGUFError as e:
+        raise GGUFError(f"{path}: {e}") from None
+    except Exception as e:   # the reader indexes past the end of a cut header, or finds garbage
+        raise GGUFError(f"{path}: cannot read the GGUF header ({type(e).__name__}: {e}); the file is "
+                        "truncated or corrupt") from None
+
+
+def _field_value(fld):
+    import gguf
+    types = fld.types
+    if not types:
+        return None
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        if len(types) > 1 and types[1] == gguf.GGUFValueType.STRING:
+            return [bytes(fld.parts[i]).decode("utf-8", "surrogateescape") for i in fld.data]
+        return [fld.parts[i].tolist()[0] for i in fld.data]
+    if types[0] == gguf.GGUFValueType.STRING:
+        return bytes(fld.parts[fld.data[0]]).decode("utf-8", "surrogateescape")
+    return fld.parts[fld.data[0]].tolist()[0]
+
+
+class GGUFCheckpoint:
+    """A GGUF model read as an HF-named checkpoint (see the module docstring)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.shards = gguf_shards(path)
+        self._readers = [_open(s) for s in self.shards]
+        self.metadata = {k: _field_value(f) for k, f in self._readers[0].fields.items()
+                         if not k.startswith("GGUF.")}
+        self.tensors = {}
+        for shard, r in zip(self.shards, self._readers):
+            for t in r.tensors:
+                if t.name in self.tensors:
+                    raise GGUFError(f"tensor {t.name!r} appears in two shards (second: {shard.name})")
+                self.tensors[t.name] = t
+        arch_name = self.metadata.get("general.architecture")
+        if arch_name not in BY_GGUF_ARCH:
+            raise naming.UnsupportedArchitecture(
+                f"{self.path.name}: GGUF architecture {arch_name!r} is not supported; supported: "
+                f"{', '.join(sorted(BY_GGUF_ARCH))}")
+        self.arch = BY_GGUF_ARCH[arch_name]
+        self._expert_tensors = {}       # (layer, role) -> GGUF name
+        self.resident_keys: dict[str, str] = {}
+        unknown = []
+        for name in self.tensors:
+            split = split_layer_name(name, "blk")
+            role = next((r for r, g in self.arch.expert_tensors.items() if split and g == split[1]), None)
+            if role:
+                self._expert_tensors[(split[0], role)] = name
+                continue
+            hf = gguf_to_hf_tensor(self.arch, name)
+            if hf is None:
+                if name not in IGNORED_TENSORS:
+                    unknown.append(name)
+                continue
+            self.resident_keys[hf] = name
+        if unknown:
+            raise GGUFError(f"{self.path.name}: tensors this {arch_name} mapping does not know: "
+                            f"{', '.join(sorted(unknown)[:6])}" + (" ..." if len(unknown) > 6 else ""))
+        self.config = self._config()
+        self.names = naming.arch_names(self.config)
+
+    # -- metadata -----------------------------------------------------------------------------------
+    def _meta(self, key: str, default=KeyError):
+        full = f"{self.arch.gguf_arch}.{key}"
+        if full in self.metadata:
+            return self.metadata[full]
+        if default is KeyError:
+            raise GGUFError(f"{self.path.name}: metadata key {full!r} is missing")
+        return default
+
+    def _config(self) -> dict:
+        arch = self.arch
+        cfg = {"architectures": [arch.hf_architecture], "model_type": arch.family}
+        for hf_key, gkey in arch.config_keys.items():
+            value = self._meta(gkey, None)
+            if value is not None:
+                cfg[hf_key] = value
+        for required in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
+            if required not in cfg:
+                raise GGUFError(f"{self.path.name}: metadata key {arch.gguf_arch}.{arch.config_keys[required]!r} is missing")
+        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        if isinstance(cfg["num_key_value_heads"], list):     # per-layer lists (hybrid models)
+            cfg["num_key_value_heads"] = max(cfg["num_key_value_heads"])
+        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": float(cfg.pop("rope_theta", 10000.0))}
+        scaling = self._meta("rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise GGUFError(f"{self.path.name}: rope scaling {scaling!r} is not supported yet")
+        rope_dims = self._meta("rope.dimension_count", None)
+        if rope_dims and rope_dims != cfg["head_dim"]:
+            cfg["rope_parameters"]["partial_rotary_factor"] = rope_dims / cfg["head_dim"]
+        if "token_embd.weight" not in self.tensors:
+            raise GGUFError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
+        cfg["vocab_size"] = int(self.tensors["token_embd.weight"].shape[1])
+        cfg["tie_word_embeddings"] = "output.weight" not in self.tensors
+        num_experts, top_k, width = (self._meta(k, None) for k in EXPERT_KEYS)
+        if not num_experts or not top_k:
+            raise GGUFError(f"{self.path.name}: {arch.gguf_arch}.expert_count / expert_used_count missing: "
+                            "this is not a mixture-of-experts model")
+        if not width:
+            gate = self._expert_tensors.get((min((l for l, _ in self._expert_tensors), default=0), "gate"))
+            if gate is None:
+                raise GGUFError(f"{self.path.name}: no routed-expert tensors (blk.N.ffn_gate_exps.weight)")
+            width = int(self.tensors[gate].shape[1])
+        cfg[arch.num_experts_key] = int(num_experts)
+        cfg["num_experts_per_tok"] = int(top_k)
+        cfg[arch.expert_width_key] = int(width)
+        moe = sorted({l for l, _ in self._expert_tensors})
+        dense = [i for i in range(cfg["num_hidden_layers"]) if i not in moe]
+        if dense:
+            cfg["mlp_only_layers"] = dense
+        cfg.update(arch.implied_config)
+        if arch.extra_config:
+            cfg.update(arch.extra_config(self._meta, self.tensors))
+        for key, hf in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+                        ("tokenizer.ggml.padding_token_id", "pad_token_id")):
+            if key in self.metadata:
+                cfg[hf] = int(self.metadata[key])
+        return cfg
+
+    # -- resident tensors -----------------------------------------------------------------------------
+    def _tensor(self, key: str):
+        try:
+            return self.tensors[key]
+        except KeyError:
+            raise GGUFError(f"{self.path.name}: tensor {key!r} is missing") from None
+
+    def stored_encoding(self, key: str):
+        """Our encoding name for a GGUF tensor's type, or None when we have no kernel for it."""
+        return BY_GGML_TYPE.get(int(self._tensor(key).tensor_type))
+
+    def type_name(self, key: str) -> str:
+        return self._tensor(key).tensor_type.name
+
+    def _raw_rows(self, key: str) -> torch.Tensor:
+        """uint8 [rows, row_bytes] (or [row_bytes] for a vector) of a tensor, as stored."""
+        t = self._tensor(key)
+        ne = [int(d) for d in t.shape]
+        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
+        return torch.from_numpy(raw.copy()).view(rows, -1) if len(ne) > 1 else torch.from_numpy(raw.copy())
+
+    def _stored_shape(self, key: str) -> tuple:
+        return tuple(int(d) for d in reversed(self._tensor(key).shape))
+
+    def _canon(self, key: str) -> str:
+        return next(c for c, k in self.resident_keys.items() if k == key)
+
+    def shape(self, key: str) -> tuple:
+        shape = self._stored_shape(key)
+        tr = transform_for(self.arch, self._canon(key))
+        if isinstance(tr, Values):
+            shape = tuple(tr.to_hf(torch.empty(shape, device="meta"), self.config).shape)
+        return shape
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The float dtype ``get`` returns (f32 for block-quantized tensors: exact dequantization)."""
+        enc = self.stored_encoding(key)
+        if enc in ("f16", "bf16") and not isinstance(transform_for(self.arch, self._canon(key)), Values):
+            return get_encoding(enc).torch_dtype
+        return torch.float32
+
+    def nbytes(self, key: str) -> int:
+        return int(self._tensor(key).n_bytes)
+
+    def get(self, key: str) -> torch.Tensor:
+        """The tensor as floats in HF layout (dequantized exactly when block-quantized)."""
+        import gguf.quants
+        t = self._tensor(key)
+        shape = self._stored_shape(key)
+        enc = self.stored_encoding(key)
+        if enc is not None:
+            e = get_encoding(enc)
+            raw = self._raw_rows(key).reshape(-1, e.row_bytes(shape[-1])) if len(shape) > 1 else self._raw_rows(key)
+            if e.is_float:
+                data = raw.view(e.torch_dtype).reshape(shape)
+            else:
+                data = e.dequantize(raw, shape[-1]).reshape(shape)
+        else:
+            data = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
+                                                         dtype=np.float32)).reshape(shape)
+        tr = transform_for(self.arch, self._canon(key))
+        if isinstance(tr, Values):
+            data = tr.to_hf(data.float(), self.config)
+        elif isinstance(tr, Permute):
+            data = tr.to_hf(data, self.config)
+        return data.contiguous()
+
+    def get_encoded(self, key: str) -> QuantTensor:
+        """A block-quantized matrix as stored (rows permuted into HF order where the table says so)."""
+        enc = self.stored_encoding(key)
+        shape = self._stored_shape(key)
+        if enc is None or get_encoding(enc).is_float or len(shape) != 2:
+            raise GGUFError(f"internal: {key} ({self.type_name(key)}) is not a block-quantized matrix")
+        raw = self._raw_rows(key)
+        tr = transform_for(self.arch, self._canon(key))
+        if isinstance(tr, Values):
+            raise GGUFError(f"{key}: a value transform needs float data, but it is {enc}")
+        if isinstance(tr, Permute):
+            raw = tr.to_hf(raw, self.config).contiguous()
+        return QuantTensor(raw, enc, shape)
+
+    # -- routed experts ------------------------------------------------------------------------------
+    def moe_layers(self) -> list[int]:
+        return naming.moe_layer_indices(self.config)
+
+    def expert_dims(self) -> tuple[int, int, int, int]:
+        return naming.expert_dims(self.config)
+
+    def check_experts(self) -> None:
+        num_experts, _, hidden, inter = self.expert_dims()
+        want = {"gate": (num_experts, inter, hidden), "up": (num_experts, inter, hidden),
+                "down": (num_experts, hidden, inter)}
+        problems = []
+        for layer in self.moe_layers():
+            for role, shape in want.items():
+                name = self._expert_tensors.get((layer, role))
+                if name is None:
+                    problems.append(f"tensor 'blk.{layer}.{self.arch.expert_tensors[role]}' is missing")
+                elif self._stored_shape(name) != shape:
+                    problems.append(f"tensor {name!r} has shape {list(self._stored_shape(name))}, "
+                                    f"the model expects {list(shape)}")
+        if problems:
+            raise GGUFError(f"{self.path.name}: " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+
+    def expert_encodings(self, layer: int) -> dict:
+        """{"gate_up": enc, "down": enc}: the layer's experts as stored. Refuses, naming the tensor,
+        types we have no kernel for, and gate/up pairs stored in different types."""
+        out = {}
+        for role in ("gate", "up", "down"):
+            name = self._expert_tensors[(layer, role)]
+            enc = self.stored_encoding(name)
+            if enc is None:
+                supported = ", ".join(e.upper() for e in BY_GGML_TYPE.values())
+                raise GGUFError(f"{self.path.name}: tensor {name!r} is {self.type_name(name)}, which lean-qwenflash "
+                                f"has no kernel for (supported: {supported}); use a GGUF with one of these, "
+                                "or re-pack from the original checkpoint with --quant")
+            out[role] = enc
+        if out["gate"] != out["up"]:
+            raise GGUFError(f"{self.path.name}: layer {layer} stores gate experts as {out['gate']} and up experts as "
+                            f"{out['up']}; records need one encoding for both (re-pack with --quant to convert)")
+        return {"gate_up": out["gate"], "down": out["down"]}
+
+    def _expert_bytes(self, layer: int, role: str, expert_id: int) -> np.ndarray:
+        t = self.tensors[self._expert_tensors[(layer, role)]]
+        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        per = raw.size // int(t.shape[2])
+        return raw[expert_id * per:(expert_id + 1) * per]
+
+    def expert_raw(self, layer: int, expert_id: int) -> tuple[np.ndarray, np.ndarray]:
+        """(gate_up, down) bytes of one expert, exactly as in the file (gate rows then up rows)."""
+        gate, up, down = (self._expert_bytes(layer, r, expert_id) for r in ("gate", "up", "down"))
+        return np.concatenate([gate, up]), down
+
+    def expert(self, layer: int, expert_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) as floats (exact dequantization)."""
+        import gguf.quants
+        _, _, hidden, inter = self.expert_dims()
+        out = []
+        for role, cols in (("gate", hidden), ("up", hidden), ("down", inter)):
+            t = self.tensors[self._expert_tensors[(layer, role)]]
+            raw = self._expert_bytes(layer, role, expert_id)
+            enc = self.stored_encoding(t.name)
+            if enc is not None:
+                e = get_encoding(enc)
+                rows = torch.from_numpy(raw.copy()).view(-1, e.row_bytes(cols))
+                out.append(rows.view(e.torch_dtype) if e.is_float else e.dequantize(rows, cols))
+            else:
+                out.append(torch.from_numpy(gguf.quants.dequantize(raw.reshape(-1, raw.size // (inter if role != "down" else hidden)),
+                                                                   t.tensor_type).astype(np.float32)))
+        if out[0].dtype != out[1].dtype:
+            out[0], out[1] = out[0].float(), out[1].float()
+        return torch.cat(out[:2]), out[2]
+
+    def expert_dtype(self) -> torch.dtype:
+        """The float dtype experts convert to when re-encoded (--quant / --dtype)."""
+        encs = {self.stored_encoding(n) for n in self._expert_tensors.values()}
+        if encs <= {"bf16"}:
+            return torch.bfloat16
+        if encs <= {"f16"}:
+            return torch.float16
+        return torch.float32
+
+    def describe(self) -> list[str]:
+        """One line per tensor group: GGML type and bytes (what `pack` and `inspect` print)."""
+        groups: dict = {}
+        for name, t in self.tensors.items():
+            split = split_layer_name(name, "blk")
+            group = split[1] if split else name
+            per = groups.setdefault(group, {})
+            per[t.tensor_type.name] = per.get(t.tensor_type.name, 0) + int(t.n_bytes)
+        return [f"{g}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(per.items()))
+                for g, per in sorted(groups.items())]
+
+
+__all__ = ["GGUFCheckpoint", "GGUFError", "gguf_shards", "is_gguf", "GLOBAL_TENSORS"]
