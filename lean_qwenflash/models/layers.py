@@ -65,9 +65,8 @@ class Embedding(nn.Embedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             return super().forward(ids)
-        from lean_qwenflash.quant import get_encoding
         rows = self.qweight.raw[ids.reshape(-1)]
-        values = get_encoding(self.qweight.encoding).dequantize(rows, self.embedding_dim)
+        values = self.qweight.encoding.dequantize(rows, self.embedding_dim)
         return values.to(self.qdtype).view(*ids.shape, self.embedding_dim)
 
     def as_head(self, x: torch.Tensor) -> torch.Tensor:

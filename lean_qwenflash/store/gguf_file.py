@@ -307,7 +307,7 @@ class GGUFCheckpoint:
             raise GGUFError(f"{key}: a value transform needs float data, but it is {enc}")
         if isinstance(tr, Permute):
             raw = tr.to_hf(raw, self.config).contiguous()
-        return QuantTensor(raw, enc, shape)
+        return QuantTensor(raw, get_encoding(enc), shape)
 
     # -- routed experts ------------------------------------------------------------------------------
     def moe_layers(self) -> list[int]:
