@@ -12,7 +12,7 @@ from .quant.presets import PRESETS as QUANT_PRESETS
 def cmd_pack(args) -> int:
     from .store.packer import pack
     m = pack(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=not args.quiet,
-             quant=args.quant)
+             quant=args.quant, tokenizer_dir=args.tokenizer)
     print(f"packed {m.architecture} into {args.out_dir}: {len(m.layers)} MoE layers, {m.num_records} expert "
           f"records, {format_size(m.experts_bytes)} of experts; tokenizer files: {', '.join(m.tokenizer_files) or 'none'}")
     print(encoding_summary(m))
@@ -22,8 +22,9 @@ def cmd_pack(args) -> int:
 
 
 def encoding_summary(m) -> str:
-    """One line per expert projection: its encodings and their bytes over the whole pack."""
-    lines = [f"  {name:8s} {sizes_line(per)}" for name, per in m.encodings().items()]
+    """One line per tensor group (expert projections, then resident groups): encodings and bytes."""
+    lines = [f"  experts.{name:8s} {sizes_line(per)}" for name, per in m.encodings().items()]
+    lines += [f"  {name} {sizes_line(per)}" for name, per in m.resident_groups().items()]
     return "encodings:\n" + "\n".join(lines) if lines else "encodings: (no routed experts)"
 
 
@@ -39,9 +40,9 @@ def cmd_inspect(args) -> int:
             shapes = ", ".join(f"{t.name} {list(t.shape)} {t.encoding}" for t in l0.tensors)
             print(f"record:       {format_size(l0.record_bytes)} ({shapes})"
                   + (" (layers differ; see encodings)" if len({l.tensors for l in m.layers}) > 1 else ""))
-        print(encoding_summary(m))
         if m.resident:
             print("resident:     " + sizes_line(m.resident_encodings()))
+        print(encoding_summary(m))
         for note in m.notes:
             print(f"note:         {note}")
         print(f"I/O engine:   {store.engine.kind if store.engine else '-'}"
@@ -205,21 +206,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    pk = sub.add_parser("pack", help="convert a Hugging Face checkpoint directory into a pack",
+    pk = sub.add_parser("pack", help="convert a Hugging Face checkpoint or a GGUF file into a pack",
                         description="Convert a Hugging Face checkpoint (config.json + *.safetensors; bf16/fp16/fp32) "
-                                    "into a pack directory: manifest.json, resident.safetensors (everything but "
-                                    "routed experts), experts.bin (one 4096-aligned record per layer and expert) and "
-                                    "experts.idx (checksums). Streams one tensor at a time, so checkpoints larger "
-                                    "than RAM pack fine; the output appears only when complete.")
-    pk.add_argument("hf_dir", help="checkpoint directory (e.g. one downloaded with `huggingface-cli download`)")
+                                    "or a GGUF file (llama.cpp's format: one file, the first shard of a "
+                                    "-00001-of-0000N.gguf split, or a directory of shards) into a pack directory: "
+                                    "manifest.json, resident.safetensors (everything but routed experts), experts.bin "
+                                    "(one 4096-aligned record per layer and expert) and experts.idx (checksums). "
+                                    "A GGUF file's experts and quantized matrices are copied byte for byte; its "
+                                    "tokenizer and chat template come from its metadata. Streams one tensor at a "
+                                    "time, so checkpoints larger than RAM pack fine; the output appears only when "
+                                    "complete. GGUF architectures: qwen3moe, qwen3next, olmoe, llama (Mixtral).")
+    pk.add_argument("hf_dir", metavar="SOURCE",
+                    help="checkpoint directory (e.g. one downloaded with `huggingface-cli download`) or GGUF file")
     pk.add_argument("out_dir", help="pack directory to create (must not exist unless --force)")
     pk.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="convert routed experts to this dtype (default: keep the checkpoint's)")
     pk.add_argument("--quant", choices=list(QUANT_PRESETS), metavar="PRESET",
                     help="encode routed experts in GGUF block formats: q4_k_m (q4_k, down q6_k in some layers; "
                          "about 3.5x fewer bytes than bf16), q5_k_m, q4_k, q5_k, q6_k, q8_0, q4_0, or a float "
-                         "(bf16, f16, f32). Embeddings, norms, routers and other resident tensors stay float. "
-                         "Rows a block format cannot hold stay in the float dtype (the summary says which).")
+                         "(bf16, f16, f32). The K-quant presets also encode attention, shared-expert and head "
+                         "matrices; embeddings, norms and routers stay float. Rows a block format cannot hold "
+                         "stay in the float dtype (the summary says which). On a GGUF source this re-encodes "
+                         "from the dequantized weights instead of copying the file's blocks.")
+    pk.add_argument("--tokenizer", metavar="HF_DIR",
+                    help="take tokenizer.json, tokenizer_config.json (chat template) etc. from this Hugging Face "
+                         "model directory (for GGUF files whose tokenizer cannot be converted, e.g. SentencePiece)")
     pk.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
     pk.set_defaults(func=cmd_pack)

@@ -83,7 +83,8 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
             experts = st.manifest.experts_bytes
             slot = st.max_record_bytes
             top_k = int(st.config.get("num_experts_per_tok", 1))
-            encodings = st.manifest.encodings()
+            encodings = {f"experts.{k}": v for k, v in st.manifest.encodings().items()}
+            encodings.update(st.manifest.resident_groups())
         target = Path(pack) / "experts.bin"
         block = slot
     else:

@@ -55,7 +55,8 @@ BASE = {
 
 # Expert rows of 256 values, so every block encoding (K-quants: 256-value super-blocks) applies.
 QUANT_SHAPES = {
-    "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256),
+    # (equal DeltaNet key and value head sizes: llama.cpp's Qwen3-Next loader needs them; tests/test_gguf.py)
+    "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256, linear_value_head_dim=16),
     "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "mixtral": dict(hidden_size=256, intermediate_size=256),
     "olmoe": dict(hidden_size=256, intermediate_size=256),

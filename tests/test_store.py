@@ -305,4 +305,4 @@ def test_cli_pack_and_inspect(ckpts, tmp_path):
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = subprocess.run([sys.executable, "-m", "lean_qwenflash", "pack"], capture_output=True, text=True, env=env)
-    assert r.returncode == 2 and "hf_dir" in r.stderr
+    assert r.returncode == 2 and "SOURCE" in r.stderr

@@ -33,23 +33,15 @@ def _names_list(names, limit: int = 20) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], provider: ExpertProvider,
-                dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
-    """A ready-to-run model (eval mode) from an HF config dict and its resident tensors.
-
-    ``resident_tensors`` are keyed by canonical checkpoint names (aliases are canonicalised);
-    every model parameter must be present with the right shape, and nothing else. Routed-expert
-    weights are never part of it: the model's sparse blocks ask ``provider``.
-    """
-    family = family_module(config)
-    names = naming.arch_names(config)
-    tensors = {naming.canonical_resident_key(names, k): v for k, v in resident_tensors.items()
-               if not k.startswith(names.ignored_prefixes)}
+def check_resident(config: dict, shapes: Mapping[str, tuple]):
+    """The family's model on the meta device, after checking that ``shapes`` (canonical name ->
+    shape of every resident tensor) are exactly its parameters; CheckpointError names the
+    missing, unexpected and misshapen tensors."""
     with torch.device("meta"):
-        model = family.build(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    missing = expected.keys() - tensors.keys()
-    unexpected = tensors.keys() - expected.keys()
+        model = family_module(config).build(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = expected.keys() - shapes.keys()
+    unexpected = shapes.keys() - expected.keys()
     if missing or unexpected:
         parts = []
         if missing:
@@ -58,9 +50,24 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
             parts.append(f"unexpected tensors: {_names_list(unexpected)}")
         raise CheckpointError(f"{config['architectures'][0]} checkpoint does not match the model; " + "; ".join(parts))
     for key, shape in expected.items():
-        if tuple(tensors[key].shape) != tuple(shape):
-            raise CheckpointError(f"tensor {key!r} has shape {tuple(tensors[key].shape)}, "
-                                  f"the model expects {tuple(shape)}")
+        if tuple(shapes[key]) != shape:
+            raise CheckpointError(f"tensor {key!r} has shape {tuple(shapes[key])}, the model expects {shape}")
+    return model
+
+
+def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], provider: ExpertProvider,
+                dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
+    """A ready-to-run model (eval mode) from an HF config dict and its resident tensors.
+
+    ``resident_tensors`` are keyed by canonical checkpoint names (aliases are canonicalised);
+    every model parameter must be present with the right shape, and nothing else. Routed-expert
+    weights are never part of it: the model's sparse blocks ask ``provider``.
+    """
+    names = naming.arch_names(config)
+    tensors = {naming.canonical_resident_key(names, k): v for k, v in resident_tensors.items()
+               if not k.startswith(names.ignored_prefixes)}
+    model = check_resident(config, {k: tuple(v.shape) for k, v in tensors.items()})
+    expected = {k: v.shape for k, v in model.state_dict().items()}
     # Block-quantized resident matrices (pack --quant) replace their Linear's float parameter.
     quantized = {k for k, v in tensors.items() if isinstance(v, QuantTensor) and k in expected}
     for key in quantized:

@@ -147,6 +147,17 @@ class Manifest:
             out[t.encoding] = out.get(t.encoding, 0) + t.nbytes
         return out
 
+    def resident_groups(self) -> dict:
+        """{group: {encoding: bytes}} over resident tensors, a group being a name with its layer
+        index dropped (``layers.self_attn.q_proj.weight``)."""
+        out: dict = {}
+        for t in self.resident:
+            parts = t.name.split(".")
+            group = ".".join(p for p in parts if not p.isdigit() and p != "model")
+            per = out.setdefault(group, {})
+            per[t.encoding] = per.get(t.encoding, 0) + t.nbytes
+        return dict(sorted(out.items()))
+
     @property
     def num_records(self) -> int:
         return sum(l.num_experts for l in self.layers)

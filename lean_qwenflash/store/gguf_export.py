@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint import HFCheckpoint
 from . import naming
-from .gguf_names import EXPERT_KEYS, gguf_arch, hf_to_gguf_tensor, transform_for
+from .gguf_names import EXPERT_KEYS, Joined, gguf_arch, hf_to_gguf_tensor, transform_for
 from .gguf_tokenizer import TokenizerConversionError, gguf_tokenizer_metadata
 
 ENCODINGS = ("bf16", "f16", "f32")
@@ -139,8 +139,17 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
     writes = []
     for canon, key in sorted(ckpt.resident_keys.items()):
         name = hf_to_gguf_tensor(arch, canon)
-        enc = "f32" if name.endswith("ffn_gate_inp.weight") else encoding
+        enc = "f32" if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")) \
+            else encoding
         tr = transform_for(arch, canon)
+        if isinstance(tr, Joined):     # one HF matrix -> several GGUF tensors (rows permuted, then split)
+            start = 0
+            for part, rows in zip(name.split("+"), tr.rows(cfg)):
+                make = (lambda key=key, tr=tr, start=start, rows=rows:
+                        tr.to_gguf(ckpt.get(key), cfg)[start:start + rows])
+                writes.append((part, (rows,) + tuple(ckpt.shape(key))[1:], enc, make))
+                start += rows
+            continue
         make = (lambda key=key: ckpt.get(key)) if tr is None else \
             (lambda key=key, tr=tr: tr.to_gguf(ckpt.get(key).float(), cfg))
         shape = tuple(ckpt.shape(key)) if tr is None else tuple(make().shape)

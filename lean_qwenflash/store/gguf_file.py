@@ -21,7 +21,7 @@ import torch
 from ..quant import ENCODINGS, QuantTensor, get_encoding
 from . import naming
 from .checkpoint import CheckpointError
-from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Permute, Values, gguf_to_hf_tensor,
+from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Permute, Values, gguf_to_hf_tensor,
                          split_layer_name, transform_for)
 
 GGUF_MAGIC = b"GGUF"
@@ -148,10 +148,16 @@ class GGUFCheckpoint:
                 f"{', '.join(sorted(BY_GGUF_ARCH))}")
         self.arch = BY_GGUF_ARCH[arch_name]
         self._expert_tensors = {}       # (layer, role) -> GGUF name
+        # canonical HF name -> GGUF name ("a+b" for a matrix stored as several tensors)
         self.resident_keys: dict[str, str] = {}
-        unknown = []
+        # Multi-token-prediction layers (after the model's own) are not run by HF's model either.
+        num_layers = int(self._meta("block_count")) - int(self._meta("nextn_predict_layers", 0) or 0)
+        unknown, joined, self.skipped = [], {}, []
         for name in self.tensors:
             split = split_layer_name(name, "blk")
+            if split and split[0] >= num_layers:
+                self.skipped.append(name)
+                continue
             role = next((r for r, g in self.arch.expert_tensors.items() if split and g == split[1]), None)
             if role:
                 self._expert_tensors[(split[0], role)] = name
@@ -161,7 +167,19 @@ class GGUFCheckpoint:
                 if name not in IGNORED_TENSORS:
                     unknown.append(name)
                 continue
-            self.resident_keys[hf] = name
+            tr = transform_for(self.arch, hf)
+            if isinstance(tr, Joined):
+                joined.setdefault(hf, {})[split[1]] = name
+            else:
+                self.resident_keys[hf] = name
+        for hf, parts in joined.items():
+            tr = transform_for(self.arch, hf)
+            missing = [p for p in tr.parts if p not in parts]
+            if missing:
+                layer = split_layer_name(hf, "model.layers")[0]
+                raise GGUFError(f"{self.path.name}: tensor 'blk.{layer}.{missing[0]}' is missing "
+                                f"(it holds part of {hf})")
+            self.resident_keys[hf] = "+".join(parts[p] for p in tr.parts)
         if unknown:
             raise GGUFError(f"{self.path.name}: tensors this {arch_name} mapping does not know: "
                             f"{', '.join(sorted(unknown)[:6])}" + (" ..." if len(unknown) > 6 else ""))
@@ -228,36 +246,40 @@ class GGUFCheckpoint:
         return cfg
 
     # -- resident tensors -----------------------------------------------------------------------------
-    def _tensor(self, key: str):
+    def _tensor(self, name: str):
         try:
-            return self.tensors[key]
+            return self.tensors[name]
         except KeyError:
-            raise GGUFError(f"{self.path.name}: tensor {key!r} is missing") from None
+            raise GGUFError(f"{self.path.name}: tensor {name!r} is missing") from None
+
+    def _parts(self, key: str) -> list:
+        return [self._tensor(n) for n in key.split("+")]
 
     def stored_encoding(self, key: str):
-        """Our encoding name for a GGUF tensor's type, or None when we have no kernel for it."""
-        return BY_GGML_TYPE.get(int(self._tensor(key).tensor_type))
+        """Our encoding name for a tensor's GGML type, or None when we have no kernel for it (or
+        the parts of a joined matrix differ)."""
+        encs = {BY_GGML_TYPE.get(int(t.tensor_type)) for t in self._parts(key)}
+        return encs.pop() if len(encs) == 1 else None
 
     def type_name(self, key: str) -> str:
-        return self._tensor(key).tensor_type.name
-
-    def _raw_rows(self, key: str) -> torch.Tensor:
-        """uint8 [rows, row_bytes] (or [row_bytes] for a vector) of a tensor, as stored."""
-        t = self._tensor(key)
-        ne = [int(d) for d in t.shape]
-        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
-        rows = int(np.prod(ne[1:])) if len(ne) > 1 else 1
-        return torch.from_numpy(raw.copy()).view(rows, -1) if len(ne) > 1 else torch.from_numpy(raw.copy())
+        return " + ".join(f"{t.name.split('.')[-2]} {t.tensor_type.name}" if "+" in key else t.tensor_type.name
+                          for t in self._parts(key))
 
     def _stored_shape(self, key: str) -> tuple:
-        return tuple(int(d) for d in reversed(self._tensor(key).shape))
+        shapes = [tuple(int(d) for d in reversed(t.shape)) for t in self._parts(key)]
+        if len(shapes) == 1:
+            return shapes[0]
+        return (sum(s[0] for s in shapes),) + shapes[0][1:]
 
     def _canon(self, key: str) -> str:
         return next(c for c, k in self.resident_keys.items() if k == key)
 
+    def _transform(self, key: str):
+        return transform_for(self.arch, self._canon(key))
+
     def shape(self, key: str) -> tuple:
         shape = self._stored_shape(key)
-        tr = transform_for(self.arch, self._canon(key))
+        tr = self._transform(key)
         if isinstance(tr, Values):
             shape = tuple(tr.to_hf(torch.empty(shape, device="meta"), self.config).shape)
         return shape
@@ -265,33 +287,41 @@ class GGUFCheckpoint:
     def dtype(self, key: str) -> torch.dtype:
         """The float dtype ``get`` returns (f32 for block-quantized tensors: exact dequantization)."""
         enc = self.stored_encoding(key)
-        if enc in ("f16", "bf16") and not isinstance(transform_for(self.arch, self._canon(key)), Values):
+        if enc in ("f16", "bf16") and not isinstance(self._transform(key), Values):
             return get_encoding(enc).torch_dtype
         return torch.float32
 
     def nbytes(self, key: str) -> int:
-        return int(self._tensor(key).n_bytes)
+        return sum(int(t.n_bytes) for t in self._parts(key))
+
+    @staticmethod
+    def _bytes(t) -> np.ndarray:
+        return np.asarray(t.data).reshape(-1).view(np.uint8)
+
+    def _float_part(self, t) -> torch.Tensor:
+        """One stored tensor as floats [rows, cols] (or [n]): its own float type, or exact f32."""
+        import gguf.quants
+        shape = tuple(int(d) for d in reversed(t.shape))
+        enc = BY_GGML_TYPE.get(int(t.tensor_type))
+        if enc is None:
+            return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
+                                                         dtype=np.float32)).reshape(shape)
+        e = get_encoding(enc)
+        raw = torch.from_numpy(self._bytes(t).copy())
+        if e.is_float:
+            return raw.view(e.torch_dtype).reshape(shape)
+        return e.dequantize(raw.view(-1, e.row_bytes(shape[-1])), shape[-1]).reshape(shape)
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor as floats in HF layout (dequantized exactly when block-quantized)."""
-        import gguf.quants
-        t = self._tensor(key)
-        shape = self._stored_shape(key)
-        enc = self.stored_encoding(key)
-        if enc is not None:
-            e = get_encoding(enc)
-            raw = self._raw_rows(key).reshape(-1, e.row_bytes(shape[-1])) if len(shape) > 1 else self._raw_rows(key)
-            if e.is_float:
-                data = raw.view(e.torch_dtype).reshape(shape)
-            else:
-                data = e.dequantize(raw, shape[-1]).reshape(shape)
-        else:
-            data = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
-                                                         dtype=np.float32)).reshape(shape)
-        tr = transform_for(self.arch, self._canon(key))
+        parts = [self._float_part(t) for t in self._parts(key)]
+        if len({p.dtype for p in parts}) > 1:
+            parts = [p.float() for p in parts]
+        data = parts[0] if len(parts) == 1 else torch.cat(parts)
+        tr = self._transform(key)
         if isinstance(tr, Values):
             data = tr.to_hf(data.float(), self.config)
-        elif isinstance(tr, Permute):
+        elif tr is not None:
             data = tr.to_hf(data, self.config)
         return data.contiguous()
 
@@ -301,13 +331,15 @@ class GGUFCheckpoint:
         shape = self._stored_shape(key)
         if enc is None or get_encoding(enc).is_float or len(shape) != 2:
             raise GGUFError(f"internal: {key} ({self.type_name(key)}) is not a block-quantized matrix")
-        raw = self._raw_rows(key)
-        tr = transform_for(self.arch, self._canon(key))
+        e = get_encoding(enc)
+        raw = torch.cat([torch.from_numpy(self._bytes(t).copy()).view(-1, e.row_bytes(shape[1]))
+                         for t in self._parts(key)])
+        tr = self._transform(key)
         if isinstance(tr, Values):
             raise GGUFError(f"{key}: a value transform needs float data, but it is {enc}")
-        if isinstance(tr, Permute):
+        if tr is not None:
             raw = tr.to_hf(raw, self.config).contiguous()
-        return QuantTensor(raw, get_encoding(enc), shape)
+        return QuantTensor(raw, e, shape)
 
     # -- routed experts ------------------------------------------------------------------------------
     def moe_layers(self) -> list[int]:

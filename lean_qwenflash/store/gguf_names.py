@@ -44,6 +44,23 @@ class Values:
     to_hf: Callable[[torch.Tensor, dict], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class Joined:
+    """One HF matrix stored as several GGUF tensors (``parts``, GGUF suffixes under blk.{L}.):
+    their rows concatenated in ``parts`` order are HF rows[perm(config)] (as Permute); ``rows``
+    gives each part's row count, for writing."""
+
+    parts: tuple
+    perm: Callable[[dict], torch.Tensor]
+    rows: Callable[[dict], tuple]
+
+    def to_gguf(self, rows, config: dict):
+        return rows[self.perm(config)]
+
+    def to_hf(self, rows, config: dict):
+        return rows[torch.argsort(self.perm(config))]
+
+
 def _rope_interleave(num_heads_key: str) -> Permute:
     """llama.cpp's llama rotary pairs neighbouring rows (2i, 2i+1) of each head where HF pairs
     (i, i + D/2): GGUF row h*D + 2i + s is HF row h*D + s*D/2 + i."""
@@ -56,6 +73,33 @@ def _rope_interleave(num_heads_key: str) -> Permute:
         one = s * half + i
         return (torch.arange(heads)[:, None] * head_dim + one[None, :]).reshape(-1)
     return Permute(perm)
+
+
+def _plus_one() -> Values:
+    """Qwen3-Next's zero-centred norms: GGUF holds 1 + w (llama.cpp multiplies by the weight)."""
+    return Values(lambda w, c: w + 1.0, lambda w, c: w - 1.0)
+
+
+def _linear_dims(config: dict):
+    nk, nv = int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"])
+    hk, hv = int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"])
+    return nk, nv, hk, hv
+
+
+def _qkvz_perm(config: dict) -> torch.Tensor:
+    """GGUF [all q, all k, all v | all z] rows -> HF rows grouped per key head [q_g, k_g, v_g, z_g]."""
+    nk, nv, hk, hv = _linear_dims(config)
+    rv = nv // nk * hv
+    group = 2 * hk + 2 * rv
+    segments = []
+    for start, width in ((0, hk), (hk, hk), (2 * hk, rv), (2 * hk + rv, rv)):
+        segments.append((torch.arange(nk)[:, None] * group + start + torch.arange(width)[None, :]).reshape(-1))
+    return torch.cat(segments)
+
+
+def _qkvz_rows(config: dict) -> tuple:
+    nk, nv, hk, hv = _linear_dims(config)
+    return (2 * nk * hk + nv * hv, nv * hv)
 
 
 @dataclass(frozen=True)
@@ -133,6 +177,65 @@ ARCHS = {a.family: a for a in (
              num_experts_key="num_local_experts", expert_width_key="intermediate_size"),
 )}
 
+
+def _qwen3_next_config(meta, tensors) -> dict:
+    """Qwen3-Next's DeltaNet sizes and layer types from its ``ssm.*`` keys."""
+    blocks = int(meta("block_count")) - int(meta("nextn_predict_layers", 0) or 0)
+    nv = int(meta("ssm.time_step_rank"))
+    cfg = {"num_hidden_layers": blocks, "linear_conv_kernel_dim": int(meta("ssm.conv_kernel")),
+           "linear_key_head_dim": int(meta("ssm.state_size")), "linear_num_key_heads": int(meta("ssm.group_count")),
+           "linear_num_value_heads": nv, "linear_value_head_dim": int(meta("ssm.inner_size")) // nv,
+           "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length", 0) or 0)}
+    recurrent = meta("attention.recurrent_layers", None)
+    if recurrent is not None:
+        cfg["layer_types"] = ["linear_attention" if r else "full_attention" for r in list(recurrent)[:blocks]]
+    else:
+        interval = int(meta("full_attention_interval", 4))
+        cfg["full_attention_interval"] = interval
+    return cfg
+
+
+def _qwen3_next_metadata(config: dict) -> dict:
+    nk, nv, hk, hv = _linear_dims(config)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    rope = dict(config.get("rope_parameters") or {})
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25)))
+    out = {"ssm.conv_kernel": int(config.get("linear_conv_kernel_dim", 4)), "ssm.state_size": hk,
+           "ssm.group_count": nk, "ssm.time_step_rank": nv, "ssm.inner_size": nv * hv,
+           "full_attention_interval": int(config.get("full_attention_interval", 4)),
+           "rope.dimension_count": int(head_dim * partial),
+           "expert_shared_feed_forward_length": int(config.get("shared_expert_intermediate_size", 0))}
+    if config.get("layer_types"):
+        out["attention.recurrent_layers"] = [t == "linear_attention" for t in config["layer_types"]]
+    return out
+
+
+_QWEN3_NEXT_TENSORS = {
+    **{k: v for k, v in _ATTENTION.items() if k != "post_attention_layernorm.weight"},
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+    "linear_attn.dt_bias": "ssm_dt.bias",
+    "linear_attn.A_log": "ssm_a",
+    "linear_attn.norm.weight": "ssm_norm.weight",
+    "linear_attn.out_proj.weight": "ssm_out.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+_QWEN3_NEXT_QKVZ = Joined(("attn_qkv.weight", "attn_gate.weight"), _qkvz_perm, _qkvz_rows)
+_QWEN3_NEXT_TENSORS["linear_attn.in_proj_qkvz.weight"] = _QWEN3_NEXT_QKVZ.parts
+ARCHS["qwen3_next"] = GGUFArch(
+    "qwen3_next", "qwen3next", "Qwen3NextForCausalLM", _QWEN3_NEXT_TENSORS, config_keys=dict(_COMMON_KEYS),
+    transforms={"linear_attn.in_proj_qkvz.weight": _QWEN3_NEXT_QKVZ,
+                "linear_attn.A_log": Values(lambda a, c: -a.exp(), lambda a, c: (-a).log()),
+                "linear_attn.conv1d.weight": Values(lambda w, c: w.squeeze(1), lambda w, c: w.unsqueeze(1)),
+                **{n: _plus_one() for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
+                                            "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                                            "model.norm.weight")}},
+    implied_config={"norm_topk_prob": True}, extra_config=_qwen3_next_config, extra_metadata=_qwen3_next_metadata)
+
 BY_GGUF_ARCH = {a.gguf_arch: a for a in ARCHS.values()}
 
 
@@ -159,7 +262,10 @@ def hf_to_gguf_tensor(arch: GGUFArch, hf_name: str) -> str:
         return GLOBAL_TENSORS[hf_name]
     split = split_layer_name(hf_name, "model.layers")
     if split and split[1] in arch.layer_tensors:
-        return f"blk.{split[0]}.{arch.layer_tensors[split[1]]}"
+        g = arch.layer_tensors[split[1]]
+        if isinstance(g, tuple):      # a Joined matrix: its parts, "+"-separated
+            return "+".join(f"blk.{split[0]}.{p}" for p in g)
+        return f"blk.{split[0]}.{g}"
     raise ValueError(f"{arch.gguf_arch}: no GGUF name for tensor {hf_name!r}")
 
 
@@ -171,12 +277,14 @@ def gguf_to_hf_tensor(arch: GGUFArch, gguf_name: str) -> Optional[str]:
     split = split_layer_name(gguf_name, "blk")
     if split:
         for hf, g in arch.layer_tensors.items():
-            if g == split[1]:
+            if g == split[1] or (isinstance(g, tuple) and split[1] in g):
                 return f"model.layers.{split[0]}.{hf}"
     return None
 
 
 def transform_for(arch: GGUFArch, hf_name: str):
-    """The Permute/Values transform of a resident HF tensor, or None."""
+    """The Permute/Values/Joined transform of a resident HF tensor, or None."""
+    if hf_name in arch.transforms:
+        return arch.transforms[hf_name]
     split = split_layer_name(hf_name, "model.layers")
     return arch.transforms.get(split[1]) if split else None
