@@ -101,8 +101,9 @@ def _add_tokenizer(w, hf_dir: Path, vocab: int) -> None:
     w.add_add_bos_token(False)
 
 
-def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
-    """Write ``hf_dir`` to ``out_path`` (GGUF v3); returns the path."""
+def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int = 0) -> Path:
+    """Write ``hf_dir`` to ``out_path`` (GGUF v3); returns the path. ``split_max_tensors`` > 0
+    writes llama.cpp-style shards (``NAME-00001-of-0000N.gguf``, ...) instead; returns the first."""
     import gguf
 
     if encoding not in ENCODINGS:
@@ -111,8 +112,9 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
     arch = gguf_arch(ckpt.names.family)
     cfg = ckpt.config
     out_path = Path(out_path)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), arch.gguf_arch)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path if split_max_tensors else out_path.with_name(out_path.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch.gguf_arch, split_max_tensors=split_max_tensors)
     w.add_name(Path(hf_dir).name)
     for hf_key, gkey in arch.config_keys.items():
         value = _config_value(cfg, hf_key)
@@ -177,5 +179,8 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16") -> Path:
     for _, _, enc, make in writes:
         w.write_tensor_data(_array(make(), enc))
     w.close()
+    if split_max_tensors:
+        shards = sorted(out_path.parent.glob(f"{out_path.stem}-*-of-*.gguf"))
+        return shards[0] if shards else out_path
     tmp.rename(out_path)
     return out_path

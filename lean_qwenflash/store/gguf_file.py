@@ -151,10 +151,14 @@ class GGUFCheckpoint:
         # canonical HF name -> GGUF name ("a+b" for a matrix stored as several tensors)
         self.resident_keys: dict[str, str] = {}
         # Multi-token-prediction layers (after the model's own) are not run by HF's model either.
-        num_layers = int(self._meta("block_count")) - int(self._meta("nextn_predict_layers", 0) or 0)
+        blocks = int(self._meta("block_count"))
+        num_layers = blocks - int(self._meta("nextn_predict_layers", 0) or 0)
         unknown, joined, self.skipped = [], {}, []
         for name in self.tensors:
             split = split_layer_name(name, "blk")
+            if split and split[0] >= blocks:
+                raise GGUFError(f"{self.path.name}: tensor {name!r} is for layer {split[0]}, but "
+                                f"{arch_name}.block_count is {blocks}")
             if split and split[0] >= num_layers:
                 self.skipped.append(name)
                 continue

@@ -231,6 +231,8 @@ ARCHS["qwen3_next"] = GGUFArch(
     transforms={"linear_attn.in_proj_qkvz.weight": _QWEN3_NEXT_QKVZ,
                 "linear_attn.A_log": Values(lambda a, c: -a.exp(), lambda a, c: (-a).log()),
                 "linear_attn.conv1d.weight": Values(lambda w, c: w.squeeze(1), lambda w, c: w.unsqueeze(1)),
+                # [1, H]; llama.cpp's quantizer rewrites it as a vector
+                "mlp.shared_expert_gate.weight": Values(lambda w, c: w, lambda w, c: w.reshape(1, -1)),
                 **{n: _plus_one() for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
                                             "self_attn.q_norm.weight", "self_attn.k_norm.weight",
                                             "model.norm.weight")}},
