@@ -76,6 +76,7 @@ setup(
         "tqdm>=4.60",
         "numpy>=1.24",
         "jinja2>=3.1",
+        "gguf>=0.17",          # GGUF import (`pack MODEL.gguf`)
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "prometheus-client>=0.17",
