@@ -402,8 +402,8 @@ def test_bad_gguf_files_are_refused_by_name(files, tmp_path):
     # missing tensors: an expert tensor, a resident one; a tensor for a layer the file does not have
     _refused(_without(src, tmp_path / "noexp.gguf", "blk.0.ffn_up_exps.weight"), out,
              r"'blk\.0\.ffn_up_exps\.weight' is missing")
-    _refused(_without(src, tmp_path / "noq.gguf", "blk.1.attn_q.weight"), out,
-             r"missing tensors: model\.layers\.1\.self_attn\.q_proj\.weight")
+    _refused(_without(src, tmp_path / "noq.gguf", "blk.1.attn_q.weight"), out, r"'blk\.1\.attn_q\.weight' is missing")
+    _refused(_without(src, tmp_path / "nonorm.gguf", "output_norm.weight"), out, r"'output_norm\.weight' is missing")
     _refused(_renamed(src, tmp_path / "extra.gguf", "blk.1.attn_q.weight", "blk.8.attn_q.weight"), out,
              r"'blk\.8\.attn_q\.weight' is for layer 8, but qwen3moe\.block_count is 3")
     _refused(_renamed(src, tmp_path / "arch.gguf", "qwen3moe", "qwen9moe"), out, "architecture 'qwen9moe' is not supported")

@@ -184,11 +184,34 @@ class GGUFCheckpoint:
                 raise GGUFError(f"{self.path.name}: tensor 'blk.{layer}.{missing[0]}' is missing "
                                 f"(it holds part of {hf})")
             self.resident_keys[hf] = "+".join(parts[p] for p in tr.parts)
+        self._check_layers(num_layers)
         if unknown:
             raise GGUFError(f"{self.path.name}: tensors this {arch_name} mapping does not know: "
                             f"{', '.join(sorted(unknown)[:6])}" + (" ..." if len(unknown) > 6 else ""))
         self.config = self._config()
         self.names = naming.arch_names(self.config)
+
+    def _check_layers(self, num_layers: int) -> None:
+        """Every layer of a kind (same expert layout, same mixer) holds the same tensors, and the
+        global ones are there: a tensor missing from a layer is named."""
+        per_layer = {}
+        for name in self.tensors:
+            split = split_layer_name(name, "blk")
+            if split and split[0] < num_layers:
+                per_layer.setdefault(split[0], set()).add(split[1])
+        kinds = {}
+        for layer in range(num_layers):
+            have = per_layer.get(layer, set())
+            # kind: routed experts or dense MLP; DeltaNet (it has ssm_a) or attention
+            kind = (any(s.endswith("_exps.weight") for s in have), "ssm_a" in have)
+            kinds.setdefault(kind, []).append(layer)
+        missing = [f"blk.{layer}.{s}" for layers in kinds.values() for layer in layers
+                   for s in sorted(set().union(*(per_layer.get(l, set()) for l in layers)) - per_layer.get(layer, set()))]
+        missing += [n for n in ("token_embd.weight", "output_norm.weight") if n not in self.tensors]
+        if missing:
+            raise GGUFError(f"{self.path.name}: tensor{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(repr(m) for m in missing[:6])} {'are' if len(missing) > 1 else 'is'} missing"
+                            " (other layers of the same kind have them)")
 
     # -- metadata -----------------------------------------------------------------------------------
     def _meta(self, key: str, default=KeyError):

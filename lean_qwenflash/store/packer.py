@@ -80,28 +80,24 @@ def open_checkpoint(path):
     return GGUFCheckpoint(path) if is_gguf(path) else HFCheckpoint(path)
 
 
-def _stored_resident(ckpt, model) -> tuple[dict, list]:
+def _stored_resident(ckpt) -> tuple[dict, list]:
     """For a GGUF source packed as stored: {canonical name: encoding or None (float)} and notes.
-    Block-quantized matrices keep their encoding where the model reads them through a kernel
-    (linear layers, the embedding table); anything else is dequantized to f32, and said."""
-    from ..models.layers import Embedding, Linear
+    Block-quantized matrices keep their encoding (every 2-D resident weight of our families is a
+    linear layer's or the embedding table, which the kernels read encoded; the loader checks);
+    types we have no kernel for, and matrices a value transform must change, are dequantized to
+    f32, and said."""
     out, dequantized = {}, {}
     for canon, k in ckpt.resident_keys.items():
         enc = ckpt.stored_encoding(k)
+        out[canon] = None
         if enc is None:
             why = "(parts in different encodings)" if "+" in k else "(no kernel for it)"
             dequantized.setdefault(f"{ckpt.type_name(k)} {why}", []).append(canon)
         elif not get_encoding(enc).is_float:
-            try:
-                module = model.get_submodule(canon.rsplit(".", 1)[0])
-            except AttributeError:
-                module = None
-            if isinstance(module, (Linear, Embedding)) and canon.endswith(".weight") and \
-                    transform_kind(ckpt, canon) != "values":
+            if len(ckpt.shape(k)) == 2 and canon.endswith(".weight") and transform_kind(ckpt, canon) != "values":
                 out[canon] = enc
-                continue
-            dequantized.setdefault(f"{enc} (not a matrix the kernels read)", []).append(canon)
-        out[canon] = None
+            else:
+                dequantized.setdefault(f"{enc} (not a matrix the kernels read)", []).append(canon)
     notes = [f"resident {why}: dequantized to f32: {', '.join(sorted(names)[:4])}" + (" ..." if len(names) > 4 else "")
              for why, names in dequantized.items()]
     return out, notes
@@ -131,8 +127,6 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         raise ValueError("the output directory must differ from the checkpoint directory")
     ckpt = open_checkpoint(src)
     ckpt.check_experts()
-    from ..models.loader import check_resident
-    meta_model = check_resident(ckpt.config, {c: tuple(ckpt.shape(k)) for c, k in ckpt.resident_keys.items()})
     if dtype is not None and dtype not in TORCH_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}; got {dtype!r}")
     if quant is not None and quant not in PRESETS:
@@ -149,7 +143,7 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
                                          stored=ckpt.expert_encodings if as_stored else None)
     resident = sorted(ckpt.resident_keys.items())
     if as_stored:
-        stored_enc, stored_notes = _stored_resident(ckpt, meta_model)
+        stored_enc, stored_notes = _stored_resident(ckpt)
     resident_bytes = sum(ckpt.nbytes(k) for _, k in resident)   # progress counts source bytes
     bar = _progress(offset + resident_bytes, progress)
 
