@@ -55,8 +55,7 @@ BASE = {
 
 # Expert rows of 256 values, so every block encoding (K-quants: 256-value super-blocks) applies.
 QUANT_SHAPES = {
-    # (equal DeltaNet key and value head sizes: llama.cpp's Qwen3-Next loader needs them; tests/test_gguf.py)
-    "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256, linear_value_head_dim=16),
+    "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "mixtral": dict(hidden_size=256, intermediate_size=256),
     "olmoe": dict(hidden_size=256, intermediate_size=256),
@@ -95,6 +94,12 @@ VARIANTS = {
 
 for _family, _shape in QUANT_SHAPES.items():
     VARIANTS[_family]["quant"] = _shape
+
+# tests/test_gguf.py: the quant shapes, and what llama.cpp's loaders need (Qwen3-Next: equal DeltaNet
+# key and value head sizes). Not in ALL_CASES: test_gguf.py compares these against llama.cpp.
+GGUF_VARIANT = "gguf"
+for _family, _shape in QUANT_SHAPES.items():
+    VARIANTS[_family][GGUF_VARIANT] = dict(_shape, **({"linear_value_head_dim": 16} if _family == "qwen3_next" else {}))
 
 
 def hf_config(family: str, variant: str = "base"):
@@ -293,4 +298,4 @@ def case(family: str, variant: str = "base") -> Case:
     return _CASES[key]
 
 
-ALL_CASES = [(f, v) for f in FAMILIES for v in VARIANTS[f]]
+ALL_CASES = [(f, v) for f in FAMILIES for v in VARIANTS[f] if v != GGUF_VARIANT]

@@ -85,7 +85,7 @@ class Files:
 
     def hf(self, family):
         def make():
-            model, _ = hf_models.make_hf_model(family, "quant")
+            model, _ = hf_models.make_hf_model(family, hf_models.GGUF_VARIANT)
             return hf_models.save_checkpoint(model, str(self.root / family / "hf"))
         return self._once(("hf", family), make)
 
