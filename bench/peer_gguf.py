@@ -11,13 +11,16 @@ copy of the same GGUF file whose router rows e are scaled by s_e = 1 + 7 * (rank
 (a seeded random rank per layer; as bench/stream.py), so a few experts per layer win top-k for a
 large share of tokens; it is packed too. Both engines read the same file of each case.
 
-Runs, each engine in its own process, same prompt ids, greedy:
+Runs, each engine in its own process, cold page cache, the same prompt ids, then decode steps fed
+the same fixed random token stream (greedy decoding of a random model loops over a few tokens and
+therefore a few experts; a fixed stream keeps routing varied and the work identical):
 
 * warm: llama.cpp (mmap, every page faulted in by a first pass) and ours with every expert
   resident; f32 KV cache on llama.cpp, fast kernels on ours;
 * capped: the process inside a cgroup v1 memory limit (--cap-gib, default half the file; page
-  cache counts), llama.cpp mmapping the file, ours streaming through a host cache of
-  --host-cache-gib with prefetch.
+  cache counts), llama.cpp mmapping the file (its CPU weight repacking, which copies every
+  K-quant weight into anonymous memory and gets it killed under the cap, turned off), ours
+  streaming through a host cache of --host-cache-gib with prefetch.
 
 Prints tok/s, bytes read per token (/proc/self/io), expert hit rate (ours), distinct experts per
 layer and the busiest expert's share, and the ratios ours/llama.cpp. Writes JSON to --out.
@@ -53,8 +56,9 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
     from lean_qwenflash.store.gguf_export import export_gguf
     work.mkdir(parents=True, exist_ok=True)
     config = peer.model_config(experts_gib, layers)
-    files = {"uniform": work / "model-Q4_K_M.gguf", "skewed": work / "model-skewed-Q4_K_M.gguf"}
-    if not files["uniform"].is_file():
+    files = {"raw": work / "model-Q4_K_M.gguf", "uniform": work / "model-uniform-Q4_K_M.gguf",
+             "skewed": work / "model-skewed-Q4_K_M.gguf"}
+    if not files["raw"].is_file():
         ckpt, bf16 = work / "checkpoint", work / "model-bf16.gguf"
         peer.build_checkpoint(ckpt, config)
         if not bf16.is_file():
@@ -65,26 +69,16 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
         import llama_cpp
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
-        tmp = files["uniform"].with_suffix(".tmp")
+        tmp = files["raw"].with_suffix(".tmp")
         if llama_cpp.llama_model_quantize(str(bf16).encode(), str(tmp).encode(), params) != 0:
             raise SystemExit("llama_model_quantize failed")
-        tmp.rename(files["uniform"])
+        tmp.rename(files["raw"])
         bf16.unlink()
-    if not files["skewed"].is_file():
-        import gguf
-        import numpy as np
-        tmp = files["skewed"].with_suffix(".tmp")
-        shutil.copyfile(files["uniform"], tmp)
-        reader = gguf.GGUFReader(str(tmp), "r+")
-        rng = np.random.default_rng(1)
-        for t in reader.tensors:
-            if t.name.endswith("ffn_gate_inp.weight"):
-                rows = t.data.shape[0]
-                scale = 1 + 7 * (rng.permutation(rows) + 1.0) ** -1.2
-                t.data[...] = t.data * scale[:, None].astype(np.float32)
-        reader.data.flush()
-        del reader
-        tmp.rename(files["skewed"])
+    if not (work / "pack-raw" / "manifest.json").is_file():
+        print("packing the raw file ...", file=sys.stderr, flush=True)
+        pack(files["raw"], work / "pack-raw", force=True)
+    if not files["uniform"].is_file() or not files["skewed"].is_file():
+        _routed_variants(files, work / "pack-raw", config)
     packs = {}
     for case, path in files.items():
         packs[case] = work / f"pack-{case}"
@@ -94,39 +88,98 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
     return {"config": config, "gguf": files, "pack": packs}
 
 
+def _routed_variants(files: dict, raw_pack: Path, config: dict) -> None:
+    """The uniform and skewed copies of the raw file (only the f32 router tensors change).
+
+    Random routers on a random model are degenerate: the router input of every token shares a
+    large common direction m (the mean over tokens), so the rows best aligned with it win for
+    almost every token. uniform: each router row loses its component along m (measured per layer
+    on our run of the raw model over 64 random tokens), W' = W - (W m) m^T with |m| = 1, so only
+    the token-specific part of the input decides. skewed: uniform, then row e scaled by
+    s_e = 1 + 7 * (rank_e + 1) ** -1.2 (a seeded random rank per layer): a Zipf-like popularity."""
+    import gguf
+    import numpy as np
+    import torch
+    from lean_qwenflash.config import load_config
+    from lean_qwenflash.runtime import Runtime
+
+    print("measuring the mean router input per layer ...", file=sys.stderr, flush=True)
+    sums = {}
+    with Runtime.open(load_config(model=str(raw_pack), dtype="float32"), resident_experts=True) as rt:
+        def hook(block, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            sums[block.layer_idx] = x.mean(0)
+        handles = [b.register_forward_pre_hook(hook) for b in rt.model.moe_blocks()]
+        ids = torch.randint(259, config["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(3))
+        with torch.inference_mode():
+            rt.model(ids)
+        for h in handles:
+            h.remove()
+    rng = np.random.default_rng(1)
+    for case in ("uniform", "skewed"):
+        tmp = files[case].with_suffix(".tmp")
+        shutil.copyfile(files["raw"], tmp)
+        reader = gguf.GGUFReader(str(tmp), "r+")
+        for t in reader.tensors:
+            if t.name.endswith("ffn_gate_inp.weight"):
+                layer = int(t.name.split(".")[1])
+                m = sums[layer] / sums[layer].norm()
+                w = torch.from_numpy(np.array(t.data, dtype=np.float64))
+                w = w - (w @ m)[:, None] * m[None, :]
+                if case == "skewed":
+                    w = w * torch.from_numpy(1 + 7 * (rng.permutation(w.shape[0]) + 1.0) ** -1.2)[:, None]
+                t.data[...] = w.float().numpy()
+        reader.data.flush()
+        del reader
+        tmp.rename(files[case])
+
+
 # -- workers ---------------------------------------------------------------------------------------
 
 def worker_llama(spec: dict) -> dict:
     import llama_cpp
-    llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=spec["prompt_tokens"] + 2 * spec["tokens"] + 8,
+    if not spec["warm"]:
+        # llama.cpp's CPU backend repacks K-quant weights into its interleaved layout in anonymous
+        # memory (a full copy: killed under the cap); without that extra buffer type it computes
+        # straight from the mmapped file, which is how it can run in less RAM than the file.
+        import llama_cpp.llama_cpp as C
+        default = C.llama_model_default_params
+
+        def no_repack():
+            params = default()
+            params.use_extra_bufts = False
+            return params
+        C.llama_model_default_params = no_repack
+    steps = spec["stream"]
+    llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=spec["prompt_tokens"] + len(steps) + 8,
                           n_threads=spec["threads"], n_threads_batch=spec["threads"], n_batch=64,
                           type_k=0, type_v=0, logits_all=True, verbose=False)
 
-    def run(n):
+    def run(stream):
         llm.reset()
         llm.eval(spec["prompt"])
         out, before, t0 = [], read_bytes(), time.perf_counter()
-        for _ in range(n):
-            tok = int(llm.scores[llm.n_tokens - 1].argmax())
-            out.append(tok)
+        for tok in stream:
+            out.append(int(llm.scores[llm.n_tokens - 1].argmax()))
             llm.eval([tok])
         return out, time.perf_counter() - t0, read_bytes() - before
-    run(spec["tokens"] if spec["warm"] else 2)     # warm: fault every page in; capped: settle the cache
-    tokens, dt, nbytes = run(spec["tokens"])
-    return {"tokens": tokens, "decode_s": dt, "bytes_per_token": nbytes / spec["tokens"]}
+    run(steps if spec["warm"] else steps[:2])     # warm: fault every page in; capped: settle
+    argmax, dt, nbytes = run(steps)
+    return {"argmax": argmax, "decode_s": dt, "bytes_per_token": nbytes / len(steps)}
 
 
 def worker_ours(spec: dict) -> dict:
     import torch
     from lean_qwenflash.config import load_config
-    from lean_qwenflash.generate.generator import Generator
-    from lean_qwenflash.generate.sampling import SamplingParams
+    from lean_qwenflash.generate.state import new_state
     from lean_qwenflash.runtime import Runtime
 
     torch.set_num_threads(spec["threads"])
     extra = {} if spec["warm"] else {"host_cache_bytes": int(spec["host_cache_gib"] * 2**30), "prefetch": True}
     cfg = load_config(model=spec["path"], dtype="float32", expert_kernels="fast", **extra)
+    steps = spec["stream"]
     with Runtime.open(cfg, resident_experts=spec["warm"]) as rt:
+        model = rt.model
         routed = {}
 
         def hook(block, args, output):
@@ -136,29 +189,38 @@ def worker_ours(spec: dict) -> dict:
                 for e in torch.topk(probs, block.top_k).indices[0].tolist():
                     routed.setdefault(block.layer_idx, {}).setdefault(e, 0)
                     routed[block.layer_idx][e] += 1
-        gen = Generator(rt.model)
 
-        def run(n):
-            it = gen.generate(spec["prompt"], SamplingParams(temperature=0.0), n + 1)
-            first = next(it)                   # prefill + first token
-            if hasattr(rt.provider, "stats"):
-                rt.provider.stats.reset()
-            before, t0 = read_bytes(), time.perf_counter()
-            rest = list(it)
-            return [first] + rest, time.perf_counter() - t0, read_bytes() - before
-        run(spec["tokens"] if spec["warm"] else 2)
-        handles = [b.register_forward_hook(hook) for b in rt.model.moe_blocks()]
-        tokens, dt, nbytes = run(spec["tokens"])
+        def run(stream):
+            state = new_state(model)
+            with torch.inference_mode():
+                logits = model(torch.tensor([spec["prompt"]]), state, last_logits_only=True)
+                if hasattr(rt.provider, "stats"):
+                    rt.provider.stats.reset()
+                out, before, t0 = [], read_bytes(), time.perf_counter()
+                for tok in stream:
+                    out.append(int(logits[0, -1].argmax()))
+                    logits = model(torch.tensor([[tok]]), state)
+            return out, time.perf_counter() - t0, read_bytes() - before
+        run(steps if spec["warm"] else steps[:2])
+        handles = [b.register_forward_hook(hook) for b in model.moe_blocks()]
+        argmax, dt, nbytes = run(steps)
         for h in handles:
             h.remove()
         stats = rt.stats()
     distinct = [len(v) for v in routed.values()]
     top_share = [max(v.values()) / sum(v.values()) for v in routed.values()]
-    out = {"tokens": tokens[:spec["tokens"]], "decode_s": dt, "bytes_per_token": nbytes / spec["tokens"],
+    out = {"argmax": argmax, "decode_s": dt, "bytes_per_token": nbytes / len(steps),
            "distinct_experts_per_layer": sum(distinct) / len(distinct), "top_expert_share": max(top_share)}
     if stats:
         out["hit_rate"] = stats["total"]["hit_rate"]
     return out
+
+
+def drop_page_cache() -> None:
+    """Start every run cold: page cache filled by an earlier run (charged to another cgroup)
+    would let a capped run read a file it never pays for."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
 def run_worker(kind: str, spec: dict, cap_bytes: int | None) -> dict:
@@ -169,10 +231,12 @@ def run_worker(kind: str, spec: dict, cap_bytes: int | None) -> dict:
         group.mkdir()
         (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
         cmd = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"] + cmd
+    if os.geteuid() == 0:
+        drop_page_cache()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode != 0:
-            return {"error": p.stderr[-1500:]}
+            return {"error": p.stderr[-1500:] or f"exit status {p.returncode} (killed by the cgroup's OOM killer?)"}
         res = json.loads(p.stdout.strip().splitlines()[-1])
         if group:
             res["cgroup_peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
@@ -196,7 +260,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--cap-gib", type=float, help="cgroup memory cap (default: half the GGUF file)")
     ap.add_argument("--host-cache-gib", type=float, help="our host expert cache under the cap (default: cap - 1 GiB)")
-    ap.add_argument("--cases", default="uniform,skewed")
+    ap.add_argument("--cases", default="raw,uniform,skewed")
     ap.add_argument("--work", default=str(REPO / "bench" / "results" / "peer_gguf"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peer_gguf.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -209,14 +273,17 @@ def main() -> int:
 
     files = prepare(Path(args.work), args.experts_gib, args.layers, args.threads)
     config = files["config"]
-    file_bytes = files["gguf"]["uniform"].stat().st_size
+    file_bytes = files["gguf"]["raw"].stat().st_size
     cap = int(args.cap_gib * 2**30) if args.cap_gib else file_bytes // 2
     host_cache = args.host_cache_gib if args.host_cache_gib else cap / 2**30 - 1.0
     can_cap = os.geteuid() == 0 and CGROUP.is_dir()
     import random
     rng = random.Random(0)
     prompt = [rng.randrange(259, config["vocab_size"]) for _ in range(args.prompt_tokens)]
-    base = {"prompt": prompt, "tokens": args.tokens, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
+    # Decode steps are fed a fixed random token stream (teacher forcing), the same for both
+    # engines: a greedy decode of a random model loops over a few tokens, and so over a few experts.
+    stream = [rng.randrange(259, config["vocab_size"]) for _ in range(args.tokens)]
+    base = {"prompt": prompt, "stream": stream, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
             "host_cache_gib": host_cache}
     rows = []
     for case in args.cases.split(","):
@@ -231,20 +298,22 @@ def main() -> int:
             row = {"case": case, "setting": setting, "llama": ll, "ours": ours}
             if "error" not in ll and "error" not in ours:
                 row["ratio"] = ll["decode_s"] / ours["decode_s"]
-                row["same_tokens"] = sum(a == b for a, b in zip(ll["tokens"], ours["tokens"])) / args.tokens
+                row["same_argmax"] = sum(a == b for a, b in zip(ll["argmax"], ours["argmax"])) / args.tokens
             rows.append(row)
             print(f"  {case} {setting} done", file=sys.stderr, flush=True)
 
     print(f"\nGGUF Q4_K_M made by llama.cpp from a random Qwen3-MoE-shaped model: {file_bytes / 2**30:.2f} GiB, "
           f"{config['num_hidden_layers']} layers x {config['num_experts']} experts, top-{config['num_experts_per_tok']}; "
-          f"{args.threads} threads; {args.tokens} greedy decode steps after a {args.prompt_tokens}-token prompt. "
+          f"{args.threads} threads; {args.tokens} decode steps (a fixed random token stream) after a "
+          f"{args.prompt_tokens}-token prompt; page cache dropped before each run. "
           f"Capped: cgroup limit {cap / 2**30:.2f} GiB (page cache counted), our host cache {host_cache:.2f} GiB.")
     print(f"{'routing':8s} {'setting':7s} {'engine':10s} {'tok/s':>7s} {'MiB read/tok':>13s} {'hit rate':>9s} "
-          f"{'experts/layer':>14s} {'top share':>10s} {'ours/llama':>11s} {'same tok':>9s}")
+          f"{'experts/layer':>14s} {'top share':>10s} {'ours/llama':>11s} {'same argmax':>12s}")
     for r in rows:
-        if "error" in r or "ratio" not in r:
-            print(f"{r['case']:8s} {r['setting']:7s} error: "
-                  f"{(r.get('error') or r['llama'].get('error') or r['ours'].get('error'))[-300:]}")
+        if "ratio" not in r:
+            errors = [r.get("error")] + [f"{e}: {r[e].get('error') or 'exit status only (killed?)'}"
+                                         for e in ("llama", "ours") if e in r and "error" in r[e]]
+            print(f"{r['case']:8s} {r['setting']:7s} error: {'; '.join(str(e)[-300:] for e in errors if e)}")
             continue
         for engine in ("llama", "ours"):
             m = r[engine]
@@ -253,7 +322,7 @@ def main() -> int:
                   f"{m['tok_s']:7.2f} {m['bytes_per_token'] / 2**20:13.1f} "
                   f"{m.get('hit_rate', float('nan')):9.2f} {m.get('distinct_experts_per_layer', float('nan')):14.1f} "
                   f"{m.get('top_expert_share', float('nan')):10.2f} "
-                  + (f"{r['ratio']:10.2f}x {100 * r['same_tokens']:8.0f}%" if engine == "ours" else ""))
+                  + (f"{r['ratio']:10.2f}x {100 * r['same_argmax']:11.0f}%" if engine == "ours" else ""))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": config, "file_bytes": file_bytes, "cap_bytes": cap,
                                           "host_cache_gib": host_cache, "rows": rows}, indent=1))

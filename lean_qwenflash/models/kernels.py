@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..quant import QuantTensor
+from ..quant import QuantRows, QuantTensor
 from . import native
 
 EXPERT_KERNELS = ("fast", "exact")     # config key expert_kernels
@@ -170,6 +170,10 @@ def expert_mlp(x: torch.Tensor, expert) -> torch.Tensor:
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, mode: str = "exact", isa: str = "auto") -> torch.Tensor:
     """``F.linear`` with a block-quantized weight: one row on CPU in ``fast`` mode runs the native
     dot product on the encoded rows; otherwise the weight is dequantized exactly and multiplied."""
+    if isinstance(weight, QuantRows):      # row groups in different encodings: one product each
+        out = torch.cat([quant_linear(x, p, None, mode, isa) for p in weight.parts], dim=-1)
+        out = out.index_select(-1, weight.order)
+        return out if bias is None else out + bias
     if mode == "fast" and x.numel() == weight.shape[1] and x.device.type == "cpu" and native.supports(weight):
         out = native.gemv(weight, x, isa=isa).view(x.shape[:-1] + (weight.shape[0],)).to(x.dtype)
     else:

@@ -13,7 +13,7 @@ import torch
 
 from lean_qwenflash.experts.provider import ExpertProvider, ResidentExperts, aligned_record
 from lean_qwenflash.models.layers import Embedding, Linear
-from lean_qwenflash.quant import QuantTensor
+from lean_qwenflash.quant import QuantRows, QuantTensor
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
@@ -69,13 +69,13 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     model = check_resident(config, {k: tuple(v.shape) for k, v in tensors.items()})
     expected = {k: v.shape for k, v in model.state_dict().items()}
     # Block-quantized resident matrices (pack --quant) replace their Linear's float parameter.
-    quantized = {k for k, v in tensors.items() if isinstance(v, QuantTensor) and k in expected}
+    quantized = {k for k, v in tensors.items() if isinstance(v, (QuantTensor, QuantRows)) and k in expected}
     for key in quantized:
         module = model.get_submodule(key.rsplit(".", 1)[0])
         if not isinstance(module, (Linear, Embedding)) or not key.endswith(".weight"):
             raise CheckpointError(f"tensor {key!r} is block-quantized but is not a linear layer's or "
                                   "embedding's weight")
-        q = QuantTensor(tensors[key].raw.to(device), tensors[key].encoding, tensors[key].shape)
+        q = tensors[key].to(device)
         if isinstance(module, Embedding):
             module.set_quantized(q, dtype)
         else:

@@ -93,6 +93,39 @@ class QuantTensor:
     def device(self) -> torch.device:
         return self.raw.device
 
+    def to(self, device) -> "QuantTensor":
+        return QuantTensor(self.raw.to(device), self.encoding, self.shape)
+
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
+
+
+@dataclass(frozen=True)
+class QuantRows:
+    """A matrix ``[rows, cols]`` whose row groups are stored in different encodings (a GGUF file
+    may store the pieces of one Hugging Face matrix in different types): ``parts`` (QuantTensor)
+    stacked give the rows in stored order; row i of the matrix is stacked row ``order[i]``.
+    Products run part by part, then the output columns are put in order (exact)."""
+
+    parts: tuple             # of QuantTensor, same cols
+    order: torch.Tensor      # int64 [rows]
+    shape: tuple             # (rows, cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts]).index_select(0, self.order.to(self.device))
+
+    def to(self, device) -> "QuantRows":
+        return QuantRows(tuple(p.to(device) for p in self.parts), self.order.to(device), self.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def encodings(self) -> tuple:
+        return tuple(p.encoding.name for p in self.parts)

@@ -18,8 +18,9 @@ from safetensors import safe_open
 from . import naming
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# uint8 only for writing packs: quantized resident matrices are stored as their raw block rows.
-ST_NAMES = {**{v: k for k, v in ST_DTYPES.items()}, torch.uint8: "U8"}
+# uint8 and int64 only for writing packs: quantized resident matrices are stored as their raw block rows
+# (mixed ones with an int64 row order).
+ST_NAMES = {**{v: k for k, v in ST_DTYPES.items()}, torch.uint8: "U8", torch.int64: "I64"}
 TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 TORCH_DTYPES = {v: k for k, v in TORCH_NAMES.items()}
 

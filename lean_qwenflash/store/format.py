@@ -105,17 +105,30 @@ def layout_layer(layer_idx: int, num_experts: int, hidden: int, intermediate: in
                         (gate_up, down), first_record)
 
 
+MIXED = "mixed"          # a resident matrix whose row groups have different encodings (see parts)
+ROW_ORDER_SUFFIX = ".row_order"
+
+
 @dataclass(frozen=True)
 class ResidentTensor:
-    """One tensor of resident.safetensors as the manifest describes it."""
+    """One tensor of resident.safetensors as the manifest describes it. A ``mixed`` matrix is
+    stored as its parts' block rows one after another (uint8, flat) plus an int64 tensor
+    ``{name}.row_order``: row i of the matrix is stacked row row_order[i]."""
 
     name: str
     shape: tuple
     encoding: str
     nbytes: int
+    parts: tuple = ()      # ((encoding, rows), ...) for MIXED
+
+    def part_bytes(self) -> list:
+        return [(enc, rows * get_encoding(enc).row_bytes(int(self.shape[-1]))) for enc, rows in self.parts]
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "encoding": self.encoding, "nbytes": self.nbytes}
+        out = {"name": self.name, "shape": list(self.shape), "encoding": self.encoding, "nbytes": self.nbytes}
+        if self.parts:
+            out["parts"] = [{"encoding": e, "rows": r} for e, r in self.parts]
+        return out
 
 
 @dataclass
@@ -144,7 +157,8 @@ class Manifest:
         """{encoding: bytes} over resident.safetensors (empty for v1 packs)."""
         out: dict = {}
         for t in self.resident:
-            out[t.encoding] = out.get(t.encoding, 0) + t.nbytes
+            for enc, n in (t.part_bytes() if t.parts else [(t.encoding, t.nbytes)]):
+                out[enc] = out.get(enc, 0) + n
         return out
 
     def resident_groups(self) -> dict:
@@ -155,7 +169,8 @@ class Manifest:
             parts = t.name.split(".")
             group = ".".join(p for p in parts if not p.isdigit() and p != "model")
             per = out.setdefault(group, {})
-            per[t.encoding] = per.get(t.encoding, 0) + t.nbytes
+            for enc, n in (t.part_bytes() if t.parts else [(t.encoding, t.nbytes)]):
+                per[enc] = per.get(enc, 0) + n
         return dict(sorted(out.items()))
 
     @property
@@ -213,8 +228,7 @@ def parse_manifest(doc, where: str) -> Manifest:
             architecture=str(doc["architecture"]), family=str(doc["family"]), config=dict(doc["config"]),
             layers=layers, experts_bytes=int(doc["experts_bytes"]),
             tokenizer_files=list(doc.get("tokenizer_files", [])), created_by=str(doc.get("created_by", "")),
-            resident=[ResidentTensor(str(t["name"]), tuple(int(d) for d in t["shape"]), str(t["encoding"]),
-                                     int(t["nbytes"])) for t in doc.get("resident", [])],
+            resident=[_parse_resident(t, bad) for t in doc.get("resident", [])],
             notes=[str(n) for n in doc.get("notes", [])], version=version,
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -226,6 +240,19 @@ def parse_manifest(doc, where: str) -> Manifest:
     if len({l.layer_idx for l in layers}) != len(layers):
         raise bad("a layer appears twice in the record table")
     return manifest
+
+
+def _parse_resident(t: dict, bad) -> ResidentTensor:
+    shape = tuple(int(d) for d in t["shape"])
+    parts = tuple((str(p["encoding"]), int(p["rows"])) for p in t.get("parts", []))
+    r = ResidentTensor(str(t["name"]), shape, str(t["encoding"]), int(t["nbytes"]), parts)
+    if r.encoding == MIXED:
+        unknown = [e for e, _ in parts if e not in ENCODINGS]
+        if not parts or unknown or sum(n for _, n in parts) != shape[0] or \
+                sum(n for _, n in r.part_bytes()) != r.nbytes:
+            raise bad(f"resident tensor {r.name}: its mixed parts {list(parts)} do not describe {list(shape)} "
+                      f"in {r.nbytes} bytes" + (f" (unknown encodings {unknown})" if unknown else ""))
+    return r
 
 
 def _parse_slot(t: dict, version: int, layer_idx, bad) -> TensorSlot:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..quant import ENCODINGS, QuantTensor, get_encoding
+from ..quant import ENCODINGS, QuantRows, QuantTensor, get_encoding
 from . import naming
 from .checkpoint import CheckpointError
 from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Permute, Values, gguf_to_hf_tensor,
@@ -351,6 +351,27 @@ class GGUFCheckpoint:
         elif tr is not None:
             data = tr.to_hf(data, self.config)
         return data.contiguous()
+
+    def stored_parts(self, key: str):
+        """The encodings of a joined matrix's parts when they differ and are all block encodings we
+        have kernels for (it can then be kept as stored, see ``get_rows``), else None."""
+        encs = [BY_GGML_TYPE.get(int(t.tensor_type)) for t in self._parts(key)]
+        if len(set(encs)) < 2 or None in encs or any(get_encoding(e).is_float for e in encs):
+            return None
+        return encs
+
+    def get_rows(self, key: str) -> QuantRows:
+        """A joined matrix whose parts have different encodings, as stored: the parts' rows and
+        the row order that puts them in HF order."""
+        tr = self._transform(key)
+        shape = self._stored_shape(key)
+        parts = []
+        for t in self._parts(key):
+            e = get_encoding(BY_GGML_TYPE[int(t.tensor_type)])
+            raw = torch.from_numpy(self._bytes(t).copy()).view(-1, e.row_bytes(shape[1]))
+            parts.append(QuantTensor(raw, e, (raw.shape[0], shape[1])))
+        order = torch.argsort(tr.perm(self.config)) if tr is not None else torch.arange(shape[0])
+        return QuantRows(tuple(parts), order, shape)
 
     def get_encoded(self, key: str) -> QuantTensor:
         """A block-quantized matrix as stored (rows permuted into HF order where the table says so)."""

@@ -90,7 +90,9 @@ def _stored_resident(ckpt) -> tuple[dict, list]:
     for canon, k in ckpt.resident_keys.items():
         enc = ckpt.stored_encoding(k)
         out[canon] = None
-        if enc is None:
+        if enc is None and ckpt.stored_parts(k):
+            out[canon] = fmt.MIXED       # row groups kept in their encodings (QuantRows)
+        elif enc is None:
             why = "(parts in different encodings)" if "+" in k else "(no kernel for it)"
             dequantized.setdefault(f"{ckpt.type_name(k)} {why}", []).append(canon)
         elif not get_encoding(enc).is_float:
@@ -211,12 +213,25 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
     for canon, k in resident:
         enc = resident_enc[canon]
         shape = tuple(ckpt.shape(k))
-        entries.append((canon, (shape[0], get_encoding(enc).row_bytes(shape[1])), torch.uint8) if enc
-                       else (canon, shape, ckpt.dtype(k)))
+        if enc == fmt.MIXED:
+            entries.append((canon, (ckpt.nbytes(k),), torch.uint8))
+            entries.append((canon + fmt.ROW_ORDER_SUFFIX, (shape[0],), torch.int64))
+        else:
+            entries.append((canon, (shape[0], get_encoding(enc).row_bytes(shape[1])), torch.uint8) if enc
+                           else (canon, shape, ckpt.dtype(k)))
     writer = StreamingSafetensorsWriter(tmp / fmt.RESIDENT, entries)
     resident_meta = []
-    for (canon, k), (_, stored_shape, dt) in zip(resident, entries):
-        enc = resident_enc[canon]
+    dtypes = {name: dt for name, _, dt in entries}
+    for canon, k in resident:
+        enc, dt = resident_enc[canon], dtypes[canon]
+        if enc == fmt.MIXED:
+            rows = ckpt.get_rows(k)
+            writer.write(canon, torch.cat([p.raw.reshape(-1) for p in rows.parts]))
+            writer.write(canon + fmt.ROW_ORDER_SUFFIX, rows.order)
+            bar.update(ckpt.nbytes(k))
+            resident_meta.append(fmt.ResidentTensor(canon, tuple(rows.shape), fmt.MIXED, rows.nbytes,
+                                                    tuple((p.encoding.name, p.shape[0]) for p in rows.parts)))
+            continue
         if as_stored and enc:
             data = ckpt.get_encoded(k).raw        # the file's rows, unchanged (permuted where the table says)
         else:

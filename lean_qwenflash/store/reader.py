@@ -14,7 +14,7 @@ import torch
 
 from ..io_engine import AlignedBuffer, IoError, crc32c, open_engine
 from . import format as fmt
-from ..quant import QuantTensor, get_encoding
+from ..quant import QuantRows, QuantTensor, get_encoding
 
 
 class ChecksumError(fmt.StoreError):
@@ -206,12 +206,20 @@ class ExpertStore:
         tensors in ``dtype``, and QuantTensor for matrices the packer encoded (``pack --quant``)."""
         from safetensors.torch import load_file
         tensors = load_file(str(self.path / fmt.RESIDENT), device=str(device))
-        quantized = {t.name: t for t in self.manifest.resident if not get_encoding(t.encoding).is_float}
+        described = {t.name: t for t in self.manifest.resident}
         out = {}
         for k, v in tensors.items():
-            if k in quantized:     # block rows: served as a QuantTensor, decoded by the kernels
-                q = quantized[k]
-                out[k] = QuantTensor(v, get_encoding(q.encoding), tuple(q.shape))
+            q = described.get(k)
+            if k.endswith(fmt.ROW_ORDER_SUFFIX) and k[:-len(fmt.ROW_ORDER_SUFFIX)] in described:
+                continue           # consumed with its mixed matrix
+            if q is not None and q.encoding == fmt.MIXED:     # row groups in different encodings
+                parts, at = [], 0
+                for (enc, rows), (_, n) in zip(q.parts, q.part_bytes()):
+                    parts.append(QuantTensor(v[at:at + n].view(rows, -1), get_encoding(enc), (rows, int(q.shape[1]))))
+                    at += n
+                out[k] = QuantRows(tuple(parts), tensors[k + fmt.ROW_ORDER_SUFFIX], tuple(q.shape))
+            elif q is not None and not get_encoding(q.encoding).is_float:
+                out[k] = QuantTensor(v, get_encoding(q.encoding), tuple(q.shape))   # block rows, for the kernels
             else:
                 out[k] = v.to(dtype) if dtype is not None else v
         return out
