@@ -6,10 +6,17 @@ default 16 layers x 309 experts x 3 MiB bf16, top-8, hidden 1024), exported to a
 quantized by llama.cpp to Q4_K_M (about 4.3 GiB, ~4.2 GiB of it routed experts); the bf16 files
 are deleted once the Q4_K_M file exists. We pack that GGUF file (experts copied byte for byte).
 
-Routing: random routers pick experts near-uniformly (the "uniform" case). The "skewed" case is a
-copy of the same GGUF file whose router rows e are scaled by s_e = 1 + 7 * (rank_e + 1) ** -1.2
-(a seeded random rank per layer; as bench/stream.py), so a few experts per layer win top-k for a
-large share of tokens; it is packed too. Both engines read the same file of each case.
+Routing. With a plain random init, routing collapses with depth (the residual stream of deep
+layers is dominated by token-independent directions; bench/results/peer_gguf_random_routers.json:
+the busiest expert of layer 13 is picked for every token, 49-67 distinct experts in layers 12-15
+over 48 steps; projecting the router input's principal directions out of the routers did not
+change that). So the model is built with o_proj and expert down weights scaled by
+RESIDUAL_SCALE (0.1): the token embedding stays dominant, and routing stays token-dependent at
+every layer ("uniform"). "skewed" is a copy of that file whose router rows e are scaled by
+s_e = 1 + 7 * (rank_e + 1) ** -1.2 (seeded random rank per layer): a Zipf-like popularity. Each
+file is packed; both engines read the same file of each case. The table reports distinct experts
+per layer (mean over layers) over the timed steps, the busiest expert's share of picks (max over
+layers; 1/top_k means: picked for every token), and our hit rate.
 
 Runs, each engine in its own process, cold page cache, the same prompt ids, then decode steps fed
 the same fixed random token stream (greedy decoding of a random model loops over a few tokens and
@@ -56,11 +63,10 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
     from lean_qwenflash.store.gguf_export import export_gguf
     work.mkdir(parents=True, exist_ok=True)
     config = peer.model_config(experts_gib, layers)
-    files = {"raw": work / "model-Q4_K_M.gguf", "uniform": work / "model-uniform-Q4_K_M.gguf",
-             "skewed": work / "model-skewed-Q4_K_M.gguf"}
-    if not files["raw"].is_file():
+    files = {"uniform": work / "model-Q4_K_M.gguf", "skewed": work / "model-skewed-Q4_K_M.gguf"}
+    if not files["uniform"].is_file():
         ckpt, bf16 = work / "checkpoint", work / "model-bf16.gguf"
-        peer.build_checkpoint(ckpt, config)
+        peer.build_checkpoint(ckpt, config, residual_scale=RESIDUAL_SCALE)
         if not bf16.is_file():
             print("exporting GGUF bf16 ...", file=sys.stderr, flush=True)
             export_gguf(ckpt, bf16, "bf16")
@@ -69,16 +75,13 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
         import llama_cpp
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
-        tmp = files["raw"].with_suffix(".tmp")
+        tmp = files["uniform"].with_suffix(".tmp")
         if llama_cpp.llama_model_quantize(str(bf16).encode(), str(tmp).encode(), params) != 0:
             raise SystemExit("llama_model_quantize failed")
-        tmp.rename(files["raw"])
+        tmp.rename(files["uniform"])
         bf16.unlink()
-    if not (work / "pack-raw" / "manifest.json").is_file():
-        print("packing the raw file ...", file=sys.stderr, flush=True)
-        pack(files["raw"], work / "pack-raw", force=True)
-    if not files["uniform"].is_file() or not files["skewed"].is_file():
-        _routed_variants(files, work / "pack-raw", config)
+    if not files["skewed"].is_file():
+        _routed_variants(files, None, config)
     packs = {}
     for case, path in files.items():
         packs[case] = work / f"pack-{case}"
@@ -88,50 +91,25 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
     return {"config": config, "gguf": files, "pack": packs}
 
 
-def _routed_variants(files: dict, raw_pack: Path, config: dict) -> None:
-    """The uniform and skewed copies of the raw file (only the f32 router tensors change).
+RESIDUAL_SCALE = 0.1     # what each layer adds to the residual stream, relative to a plain random init
 
-    Random routers on a random model are degenerate: the router input of every token shares a
-    large common direction m (the mean over tokens), so the rows best aligned with it win for
-    almost every token. uniform: each router row loses its component along m (measured per layer
-    on our run of the raw model over 64 random tokens), W' = W - (W m) m^T with |m| = 1, so only
-    the token-specific part of the input decides. skewed: uniform, then row e scaled by
-    s_e = 1 + 7 * (rank_e + 1) ** -1.2 (a seeded random rank per layer): a Zipf-like popularity."""
+
+def _routed_variants(files: dict, raw_pack: Path, config: dict) -> None:
+    """The skewed copy of the file (only the f32 router tensors change): router row e scaled by
+    s_e = 1 + 7 * (rank_e + 1) ** -1.2 (a seeded random rank per layer), a Zipf-like popularity."""
     import gguf
     import numpy as np
-    import torch
-    from lean_qwenflash.config import load_config
-    from lean_qwenflash.runtime import Runtime
-
-    print("measuring the mean router input per layer ...", file=sys.stderr, flush=True)
-    sums = {}
-    with Runtime.open(load_config(model=str(raw_pack), dtype="float32"), resident_experts=True) as rt:
-        def hook(block, args):
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            sums[block.layer_idx] = x.mean(0)
-        handles = [b.register_forward_pre_hook(hook) for b in rt.model.moe_blocks()]
-        ids = torch.randint(259, config["vocab_size"], (1, 64), generator=torch.Generator().manual_seed(3))
-        with torch.inference_mode():
-            rt.model(ids)
-        for h in handles:
-            h.remove()
     rng = np.random.default_rng(1)
-    for case in ("uniform", "skewed"):
-        tmp = files[case].with_suffix(".tmp")
-        shutil.copyfile(files["raw"], tmp)
-        reader = gguf.GGUFReader(str(tmp), "r+")
-        for t in reader.tensors:
-            if t.name.endswith("ffn_gate_inp.weight"):
-                layer = int(t.name.split(".")[1])
-                m = sums[layer] / sums[layer].norm()
-                w = torch.from_numpy(np.array(t.data, dtype=np.float64))
-                w = w - (w @ m)[:, None] * m[None, :]
-                if case == "skewed":
-                    w = w * torch.from_numpy(1 + 7 * (rng.permutation(w.shape[0]) + 1.0) ** -1.2)[:, None]
-                t.data[...] = w.float().numpy()
-        reader.data.flush()
-        del reader
-        tmp.rename(files[case])
+    tmp = files["skewed"].with_suffix(".tmp")
+    shutil.copyfile(files["uniform"], tmp)
+    reader = gguf.GGUFReader(str(tmp), "r+")
+    for t in reader.tensors:
+        if t.name.endswith("ffn_gate_inp.weight"):
+            scale = 1 + 7 * (rng.permutation(t.data.shape[0]) + 1.0) ** -1.2
+            t.data[...] = (t.data * scale[:, None]).astype(np.float32)
+    reader.data.flush()
+    del reader
+    tmp.rename(files["skewed"])
 
 
 # -- workers ---------------------------------------------------------------------------------------
@@ -260,7 +238,7 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--cap-gib", type=float, help="cgroup memory cap (default: half the GGUF file)")
     ap.add_argument("--host-cache-gib", type=float, help="our host expert cache under the cap (default: cap - 1 GiB)")
-    ap.add_argument("--cases", default="raw,uniform,skewed")
+    ap.add_argument("--cases", default="uniform,skewed")
     ap.add_argument("--work", default=str(REPO / "bench" / "results" / "peer_gguf"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peer_gguf.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -273,7 +251,7 @@ def main() -> int:
 
     files = prepare(Path(args.work), args.experts_gib, args.layers, args.threads)
     config = files["config"]
-    file_bytes = files["gguf"]["raw"].stat().st_size
+    file_bytes = files["gguf"]["uniform"].stat().st_size
     cap = int(args.cap_gib * 2**30) if args.cap_gib else file_bytes // 2
     host_cache = args.host_cache_gib if args.host_cache_gib else cap / 2**30 - 1.0
     can_cap = os.geteuid() == 0 and CGROUP.is_dir()
