@@ -18,6 +18,8 @@ PYBIND11_MODULE(_kernels, m) {
     m.doc() = "lean-qwenflash CPU kernels: quantized dot products, fused MoE decode, dequantization";
     m.def("supported_isas", &supported_isas, "ISAs this CPU can run, slowest first ('scalar' always).");
     m.def("best_isa", &best_isa);
+    m.def("set_spin", &set_spin, py::arg("iterations"),
+          "How many pause instructions an idle worker spins before sleeping; returns the previous value.");
     m.def("block_bytes", &enc_block_bytes, py::arg("enc"));
     m.def("block_values", &enc_block_values, py::arg("enc"));
     m.def(

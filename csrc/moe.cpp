@@ -58,9 +58,14 @@ const KernelTable& kernels_for(const std::string& isa) {
 
 // ---- thread pool: the caller runs tasks too; workers spin briefly, then sleep ----
 
-// How long an idle worker spins before sleeping. Short: torch's own intra-op threads run between
-// our calls on the same cores, and a long spin steals their time (bf16 decode 18.5 -> 13.9 tok/s).
-constexpr int SPIN_ITERATIONS = 2000;
+// How long an idle worker spins before sleeping (pause instructions, read on every iteration so a
+// change takes effect at once). Short by default: torch's own intra-op threads run between our
+// calls on the same cores, and a long spin steals their time (prefill 52 -> 31 tok/s with 20000).
+// A decode step on CPU runs torch on one thread, so there it is raised (set_spin): the workers stay
+// awake across the many small calls of a step (Q4_K_M decode 43 -> 49 tok/s).
+std::atomic<int> g_spin_iterations{2000};
+
+int set_spin(int iterations) { return g_spin_iterations.exchange(iterations < 0 ? 0 : iterations); }
 
 class Pool {
    public:
@@ -106,7 +111,10 @@ class Pool {
         uint64_t seen = 0;
         for (;;) {
             // Spin a little: consecutive calls (two phases per layer, many layers) come fast.
-            for (int i = 0; i < SPIN_ITERATIONS && gen_atomic_.load(std::memory_order_acquire) == seen; ++i) __builtin_ia32_pause();
+            for (int i = 0; i < g_spin_iterations.load(std::memory_order_relaxed) &&
+                            gen_atomic_.load(std::memory_order_acquire) == seen;
+                 ++i)
+                __builtin_ia32_pause();
             {
                 std::unique_lock<std::mutex> lk(mu_);
                 cv_.wait(lk, [&] { return gen_ != seen; });

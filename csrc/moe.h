@@ -10,6 +10,7 @@ namespace lqf {
 
 std::vector<std::string> supported_isas();   // "scalar" always; "avx2", "avx512" if the CPU has them
 std::string best_isa();
+int set_spin(int iterations);   // idle workers' spin before sleeping; returns the previous value
 const KernelTable& kernels_for(const std::string& isa);   // "auto" = best_isa()
 
 // out[rows] = W[rows, cols] . x[cols]  (x fp32; quantized to ActQ8 first for block encodings)

@@ -235,17 +235,29 @@ def test_cuda_quantized_experts_match_cpu_exact(preset, packs):
 
 
 def test_decode_steps_run_torch_on_one_thread_and_restore_it(packs, monkeypatch):
+    """...and keep the kernel threads spinning (native.DECODE_SPIN) only while a step runs."""
     seen = []
-    from lean_qwenflash.models import kernels
+    from lean_qwenflash.models import kernels, native
     real = kernels.experts_decode
-    monkeypatch.setattr(kernels, "experts_decode", lambda *a, **k: seen.append(torch.get_num_threads()) or real(*a, **k))
+
+    def spy(*a, **k):
+        spin = native.set_spin(0)
+        native.set_spin(spin)
+        seen.append((torch.get_num_threads(), spin))
+        return real(*a, **k)
+    monkeypatch.setattr(kernels, "experts_decode", spy)
     torch.set_num_threads(2)
+    default_spin = native.set_spin(0)
+    native.set_spin(default_spin)
     try:
         with Runtime.open(load_config(model=str(packs("mixtral", "q4_k")), cpu_threads=2), resident_experts=True) as rt:
             assert rt.model.decode_torch_threads == 1
             list(Generator(rt.model).generate(PROMPT[0].tolist(), GREEDY, 3))
             assert torch.get_num_threads() == 2
-        assert seen and set(seen) == {1}
+        decode = [s for s in seen if s[0] == 1]
+        assert decode and set(decode) == {(1, native.DECODE_SPIN)}       # one-token steps
+        assert {s for s in seen if s[0] != 1} <= {(2, default_spin)}     # the prefill
+        assert native.set_spin(default_spin) == default_spin != native.DECODE_SPIN
     finally:
         torch.set_num_threads(1)
     with pytest.raises(Exception, match="cpu_threads: must be >= 0"):

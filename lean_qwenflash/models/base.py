@@ -91,9 +91,11 @@ class CausalLM(nn.Module):
             saved = torch.get_num_threads()
             if saved != threads:
                 torch.set_num_threads(threads)
+                spin = native.set_spin(native.DECODE_SPIN)   # torch is on one thread: keep ours awake
                 try:
                     return self._forward(input_ids, state, last_logits_only)
                 finally:
+                    native.set_spin(spin)
                     torch.set_num_threads(saved)
         return self._forward(input_ids, state, last_logits_only)
 

@@ -55,6 +55,16 @@ def supports(weight) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and (isinstance(weight, QuantTensor) or t.dtype in _FLOAT_IDS)
 
 
+# Idle-worker spin (pause instructions) during a CPU decode step, where torch runs on one thread
+# and the kernels are called ~100 times per step (csrc/moe.cpp); outside it the C++ default.
+DECODE_SPIN = 100000
+
+
+def set_spin(iterations: int) -> int:
+    """Set how long idle kernel threads spin before sleeping; returns the previous setting."""
+    return _K.set_spin(int(iterations)) if _K is not None else 0
+
+
 _threads_default = 0     # set_threads(); 0: torch's intra-op thread count at the call
 
 
