@@ -262,3 +262,18 @@ def test_decode_steps_run_torch_on_one_thread_and_restore_it(packs, monkeypatch)
         torch.set_num_threads(1)
     with pytest.raises(Exception, match="cpu_threads: must be >= 0"):
         load_config(cpu_threads=-1)
+
+
+def test_float_linears_take_the_native_kernel_in_fast_mode_only(packs):
+    """Routers and other float linears: one-row products run the native kernel in fast mode (close
+    to torch), and exactly torch's F.linear in exact mode."""
+    import torch.nn.functional as F
+    with Runtime.open(load_config(model=str(packs("qwen3_moe", "q4_k_m"))), resident_experts=True) as rt:
+        router = rt.model.moe_blocks()[0].gate
+        x = torch.randn(1, 1, router.in_features, generator=torch.Generator().manual_seed(0))
+        rt.model.set_expert_kernels("fast")
+        assert router.float_kernel == "fast"
+        fast = router(x)
+        torch.testing.assert_close(fast, F.linear(x, router.weight), rtol=1e-5, atol=1e-6)
+        rt.model.set_expert_kernels("exact")
+        assert torch.equal(router(x), F.linear(x, router.weight))

@@ -83,6 +83,8 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (Linear, Embedding)) and m.qweight is not None:
                 m.kernel_mode, m.kernel_isa = mode, isa
+            elif isinstance(m, Linear):
+                m.float_kernel, m.kernel_isa = mode, isa
 
     def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
         """Logits [B, T, V] (see ``_forward``); one-token CPU steps honour ``decode_torch_threads``."""

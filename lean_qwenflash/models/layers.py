@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lean_qwenflash.models import kernels
+from lean_qwenflash.models import kernels, native
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -33,6 +33,10 @@ class Linear(nn.Linear):
 
     qweight = None
     kernel_mode, kernel_isa = "fast", "auto"
+    # "fast" (CausalLM.set_expert_kernels): one-row products with a float weight of at least
+    # kernels.SPLIT_MIN_BYTES on CPU run the native kernel too (decode: torch is on one thread
+    # then, the kernels use every core; below that size a thread hand-off costs more than it saves).
+    float_kernel = None
 
     def set_quantized(self, qweight) -> None:
         if tuple(qweight.shape) != (self.out_features, self.in_features):
@@ -44,6 +48,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return kernels.quant_linear(x, self.qweight, self.bias, self.kernel_mode, self.kernel_isa)
+        if self.float_kernel == "fast" and x.numel() == self.in_features and \
+                self.weight.nbytes >= kernels.SPLIT_MIN_BYTES and native.supports(self.weight):
+            out = native.gemv(self.weight, x, isa=self.kernel_isa).view(x.shape[:-1] + (self.out_features,))
+            out = out.to(x.dtype)
+            return out if self.bias is None else out + self.bias
         return kernels.linear(x, self.weight, self.bias)
 
 
