@@ -7,7 +7,7 @@ quantized by llama.cpp to Q4_K_M (about 4.3 GiB, ~4.2 GiB of it routed experts);
 are deleted once the Q4_K_M file exists. We pack that GGUF file (experts copied byte for byte).
 
 Routing. With a plain random init, routing collapses with depth (the residual stream of deep
-layers is dominated by token-independent directions; bench/results/peer_gguf_random_routers.json:
+layers is dominated by token-independent directions; an earlier run of this script measured:
 the busiest expert of layer 13 is picked for every token, 49-67 distinct experts in layers 12-15
 over 48 steps; projecting the router input's principal directions out of the routers did not
 change that). So the model is built with o_proj and expert down weights scaled by
