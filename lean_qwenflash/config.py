@@ -62,6 +62,9 @@ class ServerConfig:
     prefix_cache_bytes: int = 512 * 1024 * 1024
     model_name: Optional[str] = None    # name served at /v1/models (default: the pack's directory name)
     default_reasoning_effort: str = "none"  # when a request gives no reasoning_effort (none = thinking off)
+    # Tokens a request without max_tokens may generate; None: until the turn ends or the context is
+    # full (what agents that never send max_tokens, e.g. Aider, expect).
+    max_output_tokens: Optional[int] = None
 
 
 @dataclass
@@ -128,6 +131,9 @@ class RuntimeConfig:
         if self.server.default_reasoning_effort not in REASONING_EFFORTS:
             raise ConfigError(f"server.default_reasoning_effort: must be one of {', '.join(REASONING_EFFORTS)}, "
                               f"got {self.server.default_reasoning_effort!r}")
+        if self.server.max_output_tokens is not None and self.server.max_output_tokens < 1:
+            raise ConfigError(f"server.max_output_tokens: must be >= 1 (or null: up to the context), "
+                              f"got {self.server.max_output_tokens}")
         if self.server.max_request_bytes < 1024:
             raise ConfigError(f"server.max_request_bytes: must be at least 1KiB, got {self.server.max_request_bytes}")
         gen = self.generation

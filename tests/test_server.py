@@ -97,6 +97,7 @@ def tiny_runtime(tmp_path_factory):
     path = make_tiny_pack(str(tmp_path_factory.mktemp("server") / "tiny-pack"))
     cfg = load_config(None, model=path, host_cache_bytes="2MiB")
     cfg.generation.max_tokens = 32
+    cfg.server.max_output_tokens = 32      # requests without max_tokens (the default: up to the context)
     cfg.generation.temperature = 0.0
     rt = Runtime.open(cfg)
     yield rt, cfg
@@ -481,3 +482,46 @@ def test_tool_round_trip_with_default_model():
             assert not final.choices[0].message.tool_calls
         finally:
             s.stop()
+
+
+def test_lone_surrogates_are_a_400_naming_the_field_and_the_connection_stays_usable(srv):
+    with httpx.Client(timeout=30) as c:
+        body = '{"model": "%s", "messages": [{"role": "user", "content": "x\\ud800y"}], "max_tokens": 2}' % MODEL
+        r = c.post(srv.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages[0].content" and "surrogate" in err["message"]
+        body = '{"model": "%s", "prompt": "a\\udfffb", "max_tokens": 2}' % MODEL
+        r = c.post(srv.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        # the same keep-alive connection still serves
+        r = c.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["choices"]
+
+
+def test_context_error_uses_the_wording_clients_match_and_the_endpoint_param(srv):
+    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "disk " * 1500, "max_tokens": 5},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
+    assert err["message"].startswith("This model's maximum context length is 1024 tokens. However, you requested")
+    r = httpx.post(srv.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "disk " * 1500}]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_requests_without_max_tokens_may_use_the_rest_of_the_context(srv):
+    server = srv.app.state.server
+    saved = server.cfg.server.max_output_tokens
+    try:
+        server.cfg.server.max_output_tokens = None
+        assert server.max_new_tokens(100, None, "messages") == server.context_tokens - 100
+        assert server.max_new_tokens(100, 7, "messages") == 7
+        server.cfg.server.max_output_tokens = 50
+        assert server.max_new_tokens(100, None, "messages") == 50
+        assert server.max_new_tokens(server.context_tokens - 10, None, "messages") == 10
+    finally:
+        server.cfg.server.max_output_tokens = saved
+    with pytest.raises(ConfigError, match="server.max_output_tokens"):
+        load_config(None, server={"max_output_tokens": 0})

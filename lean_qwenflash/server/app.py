@@ -26,7 +26,8 @@ from lean_qwenflash.server.engine import Engine, Job, QueueFull, Steering
 from lean_qwenflash.server.metrics import Metrics
 from lean_qwenflash.server.output import ChatMessage, ChatOutput, TextOutput, chunk_deltas, finish_reason
 from lean_qwenflash.server.protocol import (REASONING_BUDGETS, ApiError, ChatCompletionRequest, CompletionRequest,
-                                            NamedToolChoice, check_unsupported, error_param, stop_strings,
+                                            NamedToolChoice, check_unsupported, error_param, invalid_text_param,
+                                            stop_strings,
                                             template_messages)
 
 log = logging.getLogger("lean_qwenflash.server")
@@ -160,14 +161,27 @@ class _Server:
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
-    def max_new_tokens(self, prompt_len: int, requested: Optional[int]) -> int:
+    def check_text(self, req) -> None:
+        """400 (not a crash) for text no tokenizer can encode, naming where it is."""
+        where = invalid_text_param(req.model_dump(exclude_none=True))
+        if where:
+            raise ApiError(400, f"{where}: text contains a lone UTF-16 surrogate (e.g. \\ud800 without its pair); "
+                                "send valid Unicode", where, "invalid_text")
+
+    def max_new_tokens(self, prompt_len: int, requested: Optional[int], param: str) -> int:
+        """Tokens to generate: what the request asks (or server.max_output_tokens, or up to the end
+        of the context when neither is set), at most what fits after the prompt."""
         if prompt_len >= self.context_tokens:
-            raise ApiError(400, f"the prompt is {prompt_len} tokens but the model's context is {self.context_tokens} "
-                                "tokens (max_position_embeddings); shorten the conversation", "messages",
-                           "context_length_exceeded")
+            # The wording OpenAI and vLLM use: clients (litellm, so Aider...) match it to recognise
+            # a context-window error.
+            raise ApiError(400, f"This model's maximum context length is {self.context_tokens} tokens. However, you "
+                                f"requested {prompt_len + (requested or 0)} tokens ({prompt_len} in the {param}, "
+                                f"{requested or 0} in the completion). Please reduce the length of the {param} "
+                                f"or completion. (The model's context is {self.context_tokens} tokens: "
+                                "max_position_embeddings.)", param, "context_length_exceeded")
         room = self.context_tokens - prompt_len
         # Asking for more than fits is answered with what fits (finish_reason "length").
-        return min(requested or self.cfg.generation.max_tokens, room)
+        return min(requested or self.cfg.server.max_output_tokens or room, room)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         tok = self.tokenizer
@@ -208,7 +222,7 @@ class _Server:
             ids = tok.encode(mark_text)
             if 0 < len(ids) < len(prompt) and prompt[:len(ids)] == ids:
                 checkpoints.append(len(ids))
-        max_new = self.max_new_tokens(len(prompt), req.max_completion_tokens or req.max_tokens)
+        max_new = self.max_new_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
         steering = None
         if self.think_close_id is not None or after_think:
             steering = Steering(self.think_open_id, self.think_close_id, self.think_close_ids,
@@ -230,7 +244,7 @@ class _Server:
             prompt = self.tokenizer.encode(p[0] if isinstance(p, list) else p)
         if not prompt:
             raise ApiError(400, "prompt is empty", "prompt")
-        max_new = self.max_new_tokens(len(prompt), req.max_tokens)
+        max_new = self.max_new_tokens(len(prompt), req.max_tokens, "prompt")
         return Job(prompt, self.sampling(req), max_new, self.stop_ids, TextOutput(self.tokenizer, stop_strings(req)))
 
     def submit(self, job: Job) -> None:
@@ -317,6 +331,7 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
+        srv.check_text(req)
         srv.check_model(req.model)
         check_unsupported(req)
         job = srv.chat_job(req)
@@ -338,6 +353,7 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        srv.check_text(req)
         srv.check_model(req.model)
         check_unsupported(req)
         job = srv.completion_job(req)

@@ -45,6 +45,29 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def invalid_text_param(value, path: str = "") -> Optional[str]:
+    """The first place in a decoded request body holding text that is not valid Unicode (a lone
+    UTF-16 surrogate such as ``"\\ud800"``, which JSON can spell but no tokenizer can encode), as
+    "messages[0].content"; None if every string is valid."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = invalid_text_param(k, path) or invalid_text_param(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            found = invalid_text_param(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def error_param(loc: tuple) -> Optional[str]:
     """pydantic error location -> "messages[0].role" (the body prefix dropped)."""
     out = ""
