@@ -525,3 +525,28 @@ def test_requests_without_max_tokens_may_use_the_rest_of_the_context(srv):
         server.cfg.server.max_output_tokens = saved
     with pytest.raises(ConfigError, match="server.max_output_tokens"):
         load_config(None, server={"max_output_tokens": 0})
+
+
+def test_a_crashing_handler_is_a_500_counted_as_500_and_the_connection_survives(srv, monkeypatch):
+    server = srv.app.state.server
+
+    def boom(req):
+        raise RuntimeError("simulated bug")
+    before = _status_count(srv, "500")
+    with httpx.Client(timeout=30) as c:
+        monkeypatch.setattr(server, "chat_job", boom)
+        r = c.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        assert "simulated" not in r.text and "Traceback" not in r.text
+        monkeypatch.undo()
+        r = c.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2})
+        assert r.status_code == 200
+    assert _status_count(srv, "500") == before + 1
+
+
+def _status_count(srv, status: str) -> float:
+    total = 0.0
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith("lqf_requests_total{") and f'status="{status}"' in line:
+            total += float(line.split()[-1])
+    return total

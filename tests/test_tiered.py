@@ -163,6 +163,12 @@ def test_budget_below_minimum_is_a_clear_error(packs):
     store.close()
 
 
+def test_host_cache_never_allocates_more_than_the_pack_holds(packs):
+    with ExpertStore.open(packs["mixtral"]) as store:
+        tiers = TieredExperts(store, 1 << 30, top_k=2, prefetch=False)     # 1 GiB asked, a tiny pack
+        assert tiers.arena.nbytes == store.manifest.num_records * store.max_record_bytes < 1 << 30
+
+
 def test_config_files_and_errors(tmp_path):
     for f in sorted((REPO / "configs").glob("*.yaml")):
         load_config(f)

@@ -50,6 +50,8 @@ class TieredExperts(ExpertProvider):
             raise ConfigError(f"host_cache_bytes: {format_size(host_cache_bytes)} holds {num_host} expert records "
                               f"of {format_size(self.slot_bytes)}; the minimum is one layer's top-k ({top_k}) = "
                               f"{need} bytes ({format_size(need)})")
+        # Never more slots than the pack has records: a small model does not get a 1 GiB arena.
+        num_host = min(num_host, max(top_k, store.manifest.num_records))
         self.device = torch.device(device)
         self.host = SlotCache(num_host)
         self.arena = AlignedBuffer(num_host * self.slot_bytes)

@@ -97,7 +97,16 @@ class _Guard:
                     return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
                 return await receive()
 
-            await self.app(scope, replay, counting_send)
+            try:
+                await self.app(scope, replay, counting_send)
+            except Exception:
+                # A crash inside a handler: answer 500 here (counted as 500, the connection stays
+                # usable) instead of letting it reach the server, which drops the connection.
+                if "status" in status_seen:      # the response had started: nothing to repair
+                    raise
+                log.exception("request failed")
+                err = ApiError(500, "internal server error (see the server log)", code="internal_error")
+                await _error_response(err)(scope, receive, counting_send)
         finally:
             self.metrics.requests.labels(route, str(status_seen.get("status", 499))).inc()
 
