@@ -354,6 +354,15 @@ def test_concurrent_clients_and_queue_overflow(srv):
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]},
      400, "system message"),
     ({"model": "gpt-17", "messages": USER}, 404, "not found"),
+    ({"model": MODEL, "messages": USER + [{"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_9", "content": "ok"}]}, 400, "matches no tool call"),
+    ({"model": MODEL, "messages": USER + [{"role": "tool", "tool_call_id": "call_1", "content": "ok"}]},
+     400, "must answer a preceding assistant message"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": "notadict"}}}]}, 400, "properties must be an object"),
+    ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}]}, 400, "parameters.type must be one of"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "disk " * 1500}]}, 400, "context is 1024 tokens"),
 ])
 def test_bad_requests_get_openai_errors(srv, body, status, needle):

@@ -178,6 +178,49 @@ class CompletionRequest(_Sampling):
     best_of: Optional[int] = None
 
 
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def schema_problem(schema, path: str = "parameters") -> Optional[str]:
+    """Why ``schema`` is not a usable JSON Schema (the structural rules OpenAI checks), or None."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{path} must be a JSON Schema object, got {type(schema).__name__}"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    if kind is not None and (not kinds or not all(isinstance(k, str) and k in _JSON_TYPES for k in kinds)):
+        return f"{path}.type must be one of {', '.join(sorted(_JSON_TYPES))} (or a list of them), got {kind!r}"
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            return f"{path}.properties must be an object mapping names to schemas, got {type(props).__name__}"
+        for name, sub in props.items():
+            why = schema_problem(sub, f"{path}.properties.{name}")
+            if why:
+                return why
+    required = schema.get("required")
+    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
+        return f"{path}.required must be a list of property names"
+    items = schema.get("items")
+    if items is not None:
+        for i, sub in enumerate(items if isinstance(items, list) else [items]):
+            why = schema_problem(sub, f"{path}.items" + (f"[{i}]" if isinstance(items, list) else ""))
+            if why:
+                return why
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            if not isinstance(schema[key], list):
+                return f"{path}.{key} must be a list of schemas"
+            for i, sub in enumerate(schema[key]):
+                why = schema_problem(sub, f"{path}.{key}[{i}]")
+                if why:
+                    return why
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{path}.enum must be a list"
+    return None
+
+
 def check_unsupported(req: _Sampling) -> None:
     """Refuse what we cannot honour, naming the field."""
     if req.n not in (None, 1):
@@ -201,6 +244,24 @@ def check_unsupported(req: _Sampling) -> None:
                                        f"messages[{i}].content[{j}].type")
             if m.role == "tool" and m.content is None:
                 raise ApiError(400, "a tool message needs content", f"messages[{i}].content")
+        # A tool result answers a call made earlier in the conversation (as OpenAI checks).
+        call_ids: set = set()
+        for i, m in enumerate(req.messages):
+            if m.role == "assistant" and m.tool_calls:
+                call_ids.update(c.id for c in m.tool_calls if c.id)
+            elif m.role == "tool":
+                if not call_ids and not any(p.role == "assistant" and p.tool_calls for p in req.messages[:i]):
+                    raise ApiError(400, "a message with role 'tool' must answer a preceding assistant message "
+                                        "with 'tool_calls'", f"messages[{i}].role")
+                if call_ids and m.tool_call_id not in call_ids:
+                    raise ApiError(400, f"tool_call_id {m.tool_call_id!r} matches no tool call made before it "
+                                        f"(calls: {', '.join(sorted(call_ids))})", f"messages[{i}].tool_call_id")
+        for i, t in enumerate(req.tools or []):
+            if t.function.parameters is not None:
+                why = schema_problem(t.function.parameters)
+                if why:
+                    raise ApiError(400, f"invalid schema for function {t.function.name!r}: {why}",
+                                   f"tools[{i}].function.parameters")
         if isinstance(req.tool_choice, NamedToolChoice) or req.tool_choice == "required":
             if not req.tools:
                 raise ApiError(400, "tool_choice requires tools", "tool_choice")
