@@ -559,3 +559,18 @@ def _status_count(srv, status: str) -> float:
         if line.startswith("lqf_requests_total{") and f'status="{status}"' in line:
             total += float(line.split()[-1])
     return total
+
+
+def test_disconnect_cancels_a_non_streamed_generation(srv):
+    """A client that gives up on a non-streamed request (timeout, Ctrl-C) stops its generation."""
+    cancelled0 = srv.metric("lqf_generations_cancelled_total")
+    tokens0 = srv.metric("lqf_generation_tokens_total")
+    body = {"model": MODEL, "messages": USER, "max_tokens": 900, "temperature": 0.9, "seed": 1}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    deadline = time.time() + 5
+    while srv.metric("lqf_generations_cancelled_total") == cancelled0:
+        assert time.time() < deadline, "generation was not cancelled after the client left"
+        time.sleep(0.05)
+    assert srv.metric("lqf_generations_running") == 0
+    assert srv.metric("lqf_generation_tokens_total") - tokens0 < 900

@@ -265,14 +265,20 @@ class _Server:
                            headers={"Retry-After": str(_RETRY_AFTER_S)}) from None
 
     async def next_event(self, job: Job, request: Request):
-        """The job's next event; raises ``_ClientGone`` (and cancels the job) if the client left."""
+        """The job's next event; raises ``_ClientGone`` (and cancels the job) if the client left.
+        The client is looked at every 0.2 s whether or not events are flowing: a non-streamed
+        request writes nothing until the end, so only this notices that its client is gone."""
         while True:
+            now = time.monotonic()
+            if now - job.client_checked_s >= 0.2:
+                job.client_checked_s = now
+                if await request.is_disconnected():
+                    job.cancel()
+                    raise _ClientGone()
             try:
                 return await asyncio.wait_for(job.events.get(), 0.2)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel()
-                    raise _ClientGone() from None
+                continue
 
     def finished(self, job: Job) -> None:
         self.metrics.latency.observe(time.perf_counter() - job.submitted_s)

@@ -135,6 +135,7 @@ class Job:
     events: Optional[asyncio.Queue] = None
     submitted_s: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    client_checked_s: float = 0.0         # when the HTTP layer last looked for a disconnected client
 
     def __post_init__(self):
         if self.loop is None:
