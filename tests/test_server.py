@@ -574,3 +574,28 @@ def test_disconnect_cancels_a_non_streamed_generation(srv):
         time.sleep(0.05)
     assert srv.metric("lqf_generations_running") == 0
     assert srv.metric("lqf_generation_tokens_total") - tokens0 < 900
+
+
+def test_a_huge_prompt_does_not_block_health_or_other_requests(srv):
+    """Rendering and tokenizing run off the event loop: /health answers while a ~3.5 MB
+    conversation is being tokenized (it then fails the context check)."""
+    result = {}
+
+    def big():
+        t0 = time.perf_counter()
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "disk drive " * 320_000}]}
+        result["status"] = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=120).status_code
+        result["seconds"] = time.perf_counter() - t0
+    worker = threading.Thread(target=big)
+    worker.start()
+    worst = 0.0
+    time.sleep(0.05)
+    while worker.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.02)
+    worker.join()
+    print(f"huge prompt: {result['seconds']:.2f} s; slowest /health meanwhile {worst * 1e3:.0f} ms")
+    assert result["status"] == 400
+    assert worst < max(0.5, result["seconds"] / 3), (worst, result["seconds"])

@@ -354,3 +354,12 @@ def test_shipped_default_model_files_agree():
     assert "full_attention" in config["layer_types"] and "linear_attention" in config["layer_types"]
     assert set(gen["eos_token_id"]) == set(tok.eos_token_ids)
     assert os.path.getsize(os.path.join(SHIPPED, "model.safetensors")) <= 25 * 2**20  # ships in the wheel
+
+
+def test_long_texts_encode_to_the_same_ids():
+    from lean_qwenflash.chat.tokenizer import LONG_TEXT_CHARS, Tokenizer
+    from lean_qwenflash.runtime import DEFAULT_MODEL_DIR
+    tok = Tokenizer.from_dir(DEFAULT_MODEL_DIR)
+    text = ("Grüße 😀 <|im_start|>user\nqwen disks " * (LONG_TEXT_CHARS // 30 + 1))
+    assert len(text) >= LONG_TEXT_CHARS
+    assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids

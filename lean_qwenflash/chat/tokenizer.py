@@ -17,6 +17,7 @@ from .parse import held_prefix
 from .template import ChatTemplate
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
+LONG_TEXT_CHARS = 64 * 1024     # from here on, encode without holding the GIL (see Tokenizer.encode)
 
 
 def _token_text(value: Any) -> str | None:
@@ -101,7 +102,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_end|>``) map to their
         ids. ``add_special_tokens`` adds the post-processor's BOS/EOS; rendered chat prompts carry
-        their own, hence the default False."""
+        their own, hence the default False.
+
+        Long texts go through ``encode_batch``, which releases the GIL while it works (measured:
+        ``encode`` of a 3.5 MB conversation held it for 1.5 s, freezing the server's event loop
+        even from a worker thread); short ones through ``encode`` (no thread-pool start-up)."""
+        if len(text) >= LONG_TEXT_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

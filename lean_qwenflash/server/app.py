@@ -192,7 +192,9 @@ class _Server:
         # Asking for more than fits is answered with what fits (finish_reason "length").
         return min(requested or self.cfg.server.max_output_tokens or room, room)
 
-    def chat_job(self, req: ChatCompletionRequest) -> Job:
+    def chat_job(self, req: ChatCompletionRequest, loop=None) -> Job:
+        """The job for a chat request: the template rendered and the prompt tokenized (slow for a
+        long conversation: the handlers run this in a worker thread, ``loop`` being theirs)."""
         tok = self.tokenizer
         choice = req.tool_choice
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
@@ -237,9 +239,10 @@ class _Server:
             steering = Steering(self.think_open_id, self.think_close_id, self.think_close_ids,
                                 budget if thinking else None, thinking, after_think)
         output = ChatOutput(tok, stop_strings(req), in_reasoning=thinking, parse_tools=choice != "none")
-        return Job(prompt, self.sampling(req), max_new, self.stop_ids, output, steering, checkpoints=checkpoints)
+        return Job(prompt, self.sampling(req), max_new, self.stop_ids, output, steering, checkpoints=checkpoints,
+                   loop=loop)
 
-    def completion_job(self, req: CompletionRequest) -> Job:
+    def completion_job(self, req: CompletionRequest, loop=None) -> Job:
         p = req.prompt
         if isinstance(p, list) and not p:
             raise ApiError(400, "prompt is empty", "prompt")
@@ -254,7 +257,8 @@ class _Server:
         if not prompt:
             raise ApiError(400, "prompt is empty", "prompt")
         max_new = self.max_new_tokens(len(prompt), req.max_tokens, "prompt")
-        return Job(prompt, self.sampling(req), max_new, self.stop_ids, TextOutput(self.tokenizer, stop_strings(req)))
+        return Job(prompt, self.sampling(req), max_new, self.stop_ids, TextOutput(self.tokenizer, stop_strings(req)),
+                   loop=loop)
 
     def submit(self, job: Job) -> None:
         try:
@@ -349,7 +353,9 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
         srv.check_text(req)
         srv.check_model(req.model)
         check_unsupported(req)
-        job = srv.chat_job(req)
+        # Off the event loop: a long conversation takes seconds to render and tokenize, and
+        # /health and the other streams must not wait for it.
+        job = await asyncio.to_thread(srv.chat_job, req, asyncio.get_running_loop())
         srv.submit(job)
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -371,7 +377,7 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
         srv.check_text(req)
         srv.check_model(req.model)
         check_unsupported(req)
-        job = srv.completion_job(req)
+        job = await asyncio.to_thread(srv.completion_job, req, asyncio.get_running_loop())
         srv.submit(job)
         rid = "cmpl-" + uuid.uuid4().hex[:24]
         created = int(time.time())
