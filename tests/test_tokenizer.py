@@ -363,3 +363,23 @@ def test_long_texts_encode_to_the_same_ids():
     text = ("Grüße 😀 <|im_start|>user\nqwen disks " * (LONG_TEXT_CHARS // 30 + 1))
     assert len(text) >= LONG_TEXT_CHARS
     assert tok.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
+
+
+def test_boundaries_from_one_tokenization_equal_tokenizing_each_prefix():
+    from lean_qwenflash.chat.tokenizer import Tokenizer
+    from lean_qwenflash.runtime import DEFAULT_MODEL_DIR
+    tok = Tokenizer.from_dir(DEFAULT_MODEL_DIR)
+    convs = [[{"role": "user", "content": "Grüße, how are disks? 😀"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "again  \n\n"}]]
+    for messages in convs:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        marks = [tok.apply_chat_template(messages, add_generation_prompt=False), text[:-3], "nope", text]
+        ids, cuts = tok.encode_with_boundaries(text, marks)
+        assert ids == tok.encode(text)
+        expected = []
+        for mark in marks:
+            m = tok.encode(mark)
+            if 0 < len(m) < len(ids) and ids[:len(m)] == m and text.startswith(mark):
+                expected.append(len(m))
+        assert cuts == expected and cuts, (cuts, expected)

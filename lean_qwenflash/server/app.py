@@ -227,12 +227,8 @@ class _Server:
         if thinking and not text.rstrip().endswith("<think>"):
             # The answer starts inside <think> (unless the template already opened it).
             text += "<think>\n"
-        prompt = tok.encode(text)
-        checkpoints = []
-        for mark_text in marks:
-            ids = tok.encode(mark_text)
-            if 0 < len(ids) < len(prompt) and prompt[:len(ids)] == ids:
-                checkpoints.append(len(ids))
+        # One tokenization: the marks are prefixes of the prompt text, cut where a token ends.
+        prompt, checkpoints = tok.encode_with_boundaries(text, marks)
         max_new = self.max_new_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
         steering = None
         if self.think_close_id is not None or after_think:
