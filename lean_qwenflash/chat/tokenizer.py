@@ -7,7 +7,6 @@ Reads ``tokenizer.json`` (the ``tokenizers`` library does the work), ``tokenizer
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 from typing import Any, Iterable, Mapping, Sequence
@@ -120,13 +119,13 @@ class Tokenizer:
         token boundary, how many tokens cover it), tokenizing once. A boundary is only where a
         token ends exactly at the prefix's end (e.g. after a turn's end token)."""
         enc = self._encoding(text)
-        ends = [end for _, end in enc.offsets]
         out = []
         for prefix in prefixes:
             if not prefix or not text.startswith(prefix) or len(prefix) >= len(text):
                 continue
-            n = bisect.bisect_right(ends, len(prefix))
-            if 0 < n < len(ends) and ends[n - 1] == len(prefix) and enc.offsets[n][0] >= len(prefix):
+            # the token holding the first character after the prefix must start right there
+            n = enc.char_to_token(len(prefix))
+            if n and enc.token_to_chars(n)[0] == len(prefix) and enc.token_to_chars(n - 1)[1] == len(prefix):
                 out.append(n)
         return enc.ids, out
 
