@@ -37,7 +37,21 @@ class ExpertIndex:
     stacked: dict = field(default_factory=dict)      # (layer, "gate_up"|"down") -> key
 
 
-class HFCheckpoint:
+class ConfigExperts:
+    """What a checkpoint's config says about its routed experts (HF and GGUF sources alike)."""
+
+    config: dict
+    # True for a GGUF file: tensors come encoded (expert_raw, get_encoded), the tokenizer from its metadata
+    is_gguf = False
+
+    def moe_layers(self) -> list[int]:
+        return naming.moe_layer_indices(self.config)
+
+    def expert_dims(self) -> tuple[int, int, int, int]:
+        return naming.expert_dims(self.config)
+
+
+class HFCheckpoint(ConfigExperts):
     """A checkpoint directory: config.json plus one or more .safetensors shards."""
 
     def __init__(self, path):
@@ -106,12 +120,6 @@ class HFCheckpoint:
         return self._handles[self.key_shard[key]].get_tensor(key)
 
     # -- routed experts ---------------------------------------------------------------------
-    def moe_layers(self) -> list[int]:
-        return naming.moe_layer_indices(self.config)
-
-    def expert_dims(self) -> tuple[int, int, int, int]:
-        return naming.expert_dims(self.config)
-
     def check_experts(self) -> None:
         """Every MoE layer has every expert's tensors with the right shapes, nothing extra."""
         num_experts, _, hidden, inter = self.expert_dims()

@@ -20,7 +20,7 @@ import torch
 
 from ..quant import ENCODINGS, QuantRows, QuantTensor, get_encoding
 from . import naming
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, ConfigExperts
 from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Permute, Values, gguf_to_hf_tensor,
                          split_layer_name, transform_for)
 
@@ -126,8 +126,10 @@ def _field_value(fld):
     return fld.parts[fld.data[0]].tolist()[0]
 
 
-class GGUFCheckpoint:
+class GGUFCheckpoint(ConfigExperts):
     """A GGUF model read as an HF-named checkpoint (see the module docstring)."""
+
+    is_gguf = True
 
     def __init__(self, path):
         self.path = Path(path)
@@ -153,14 +155,13 @@ class GGUFCheckpoint:
         # Multi-token-prediction layers (after the model's own) are not run by HF's model either.
         blocks = int(self._meta("block_count"))
         num_layers = blocks - int(self._meta("nextn_predict_layers", 0) or 0)
-        unknown, joined, self.skipped = [], {}, []
+        unknown, joined = [], {}
         for name in self.tensors:
             split = split_layer_name(name, "blk")
             if split and split[0] >= blocks:
                 raise GGUFError(f"{self.path.name}: tensor {name!r} is for layer {split[0]}, but "
                                 f"{arch_name}.block_count is {blocks}")
             if split and split[0] >= num_layers:
-                self.skipped.append(name)
                 continue
             role = next((r for r, g in self.arch.expert_tensors.items() if split and g == split[1]), None)
             if role:
@@ -184,6 +185,7 @@ class GGUFCheckpoint:
                 raise GGUFError(f"{self.path.name}: tensor 'blk.{layer}.{missing[0]}' is missing "
                                 f"(it holds part of {hf})")
             self.resident_keys[hf] = "+".join(parts[p] for p in tr.parts)
+        self._canon_of = {k: c for c, k in self.resident_keys.items()}
         self._check_layers(num_layers)
         if unknown:
             raise GGUFError(f"{self.path.name}: tensors this {arch_name} mapping does not know: "
@@ -298,11 +300,8 @@ class GGUFCheckpoint:
             return shapes[0]
         return (sum(s[0] for s in shapes),) + shapes[0][1:]
 
-    def _canon(self, key: str) -> str:
-        return next(c for c, k in self.resident_keys.items() if k == key)
-
     def _transform(self, key: str):
-        return transform_for(self.arch, self._canon(key))
+        return transform_for(self.arch, self._canon_of[key])
 
     def shape(self, key: str) -> tuple:
         shape = self._stored_shape(key)
@@ -325,19 +324,25 @@ class GGUFCheckpoint:
     def _bytes(t) -> np.ndarray:
         return np.asarray(t.data).reshape(-1).view(np.uint8)
 
-    def _float_part(self, t) -> torch.Tensor:
-        """One stored tensor as floats [rows, cols] (or [n]): its own float type, or exact f32."""
+    @staticmethod
+    def _floats(raw: np.ndarray, ggml_type, shape: tuple) -> torch.Tensor:
+        """Stored bytes of ``shape`` values as floats: their own float type, or exact f32 (our
+        dequantizer, or gguf's reference one for types we have no kernel for)."""
         import gguf.quants
-        shape = tuple(int(d) for d in reversed(t.shape))
-        enc = BY_GGML_TYPE.get(int(t.tensor_type))
+        enc = BY_GGML_TYPE.get(int(ggml_type))
         if enc is None:
-            return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type),
+            rows = raw.reshape(-1, raw.size // max(1, int(np.prod(shape[:-1]))))
+            return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(rows, ggml_type),
                                                          dtype=np.float32)).reshape(shape)
         e = get_encoding(enc)
-        raw = torch.from_numpy(self._bytes(t).copy())
+        data = torch.from_numpy(raw.copy())
         if e.is_float:
-            return raw.view(e.torch_dtype).reshape(shape)
-        return e.dequantize(raw.view(-1, e.row_bytes(shape[-1])), shape[-1]).reshape(shape)
+            return data.view(e.torch_dtype).reshape(shape)
+        return e.dequantize(data.view(-1, e.row_bytes(shape[-1])), shape[-1]).reshape(shape)
+
+    def _float_part(self, t) -> torch.Tensor:
+        """One stored tensor as floats [rows, cols] (or [n])."""
+        return self._floats(self._bytes(t), t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor as floats in HF layout (dequantized exactly when block-quantized)."""
@@ -390,12 +395,6 @@ class GGUFCheckpoint:
         return QuantTensor(raw, e, shape)
 
     # -- routed experts ------------------------------------------------------------------------------
-    def moe_layers(self) -> list[int]:
-        return naming.moe_layer_indices(self.config)
-
-    def expert_dims(self) -> tuple[int, int, int, int]:
-        return naming.expert_dims(self.config)
-
     def check_experts(self) -> None:
         num_experts, _, hidden, inter = self.expert_dims()
         want = {"gate": (num_experts, inter, hidden), "up": (num_experts, inter, hidden),
@@ -443,20 +442,10 @@ class GGUFCheckpoint:
 
     def expert(self, layer: int, expert_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) as floats (exact dequantization)."""
-        import gguf.quants
         _, _, hidden, inter = self.expert_dims()
-        out = []
-        for role, cols in (("gate", hidden), ("up", hidden), ("down", inter)):
-            t = self.tensors[self._expert_tensors[(layer, role)]]
-            raw = self._expert_bytes(layer, role, expert_id)
-            enc = self.stored_encoding(t.name)
-            if enc is not None:
-                e = get_encoding(enc)
-                rows = torch.from_numpy(raw.copy()).view(-1, e.row_bytes(cols))
-                out.append(rows.view(e.torch_dtype) if e.is_float else e.dequantize(rows, cols))
-            else:
-                out.append(torch.from_numpy(gguf.quants.dequantize(raw.reshape(-1, raw.size // (inter if role != "down" else hidden)),
-                                                                   t.tensor_type).astype(np.float32)))
+        out = [self._floats(self._expert_bytes(layer, role, expert_id),
+                            self.tensors[self._expert_tensors[(layer, role)]].tensor_type, shape)
+               for role, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter)))]
         if out[0].dtype != out[1].dtype:
             out[0], out[1] = out[0].float(), out[1].float()
         return torch.cat(out[:2]), out[2]
@@ -469,17 +458,6 @@ class GGUFCheckpoint:
         if encs <= {"f16"}:
             return torch.float16
         return torch.float32
-
-    def describe(self) -> list[str]:
-        """One line per tensor group: GGML type and bytes (what `pack` and `inspect` print)."""
-        groups: dict = {}
-        for name, t in self.tensors.items():
-            split = split_layer_name(name, "blk")
-            group = split[1] if split else name
-            per = groups.setdefault(group, {})
-            per[t.tensor_type.name] = per.get(t.tensor_type.name, 0) + int(t.n_bytes)
-        return [f"{g}: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(per.items()))
-                for g, per in sorted(groups.items())]
 
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "gguf_shards", "is_gguf", "GLOBAL_TENSORS"]

@@ -138,7 +138,7 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     if quant in DTYPE_NAME and dtype and quant != float_encoding:
         raise ValueError(f"--quant {quant} and --dtype {dtype} disagree; give one of them")
     # A GGUF source keeps its encodings unless --quant/--dtype asks for a conversion.
-    as_stored = hasattr(ckpt, "expert_raw") and quant is None and dtype is None
+    as_stored = ckpt.is_gguf and quant is None and dtype is None
 
     num_experts, _, hidden, inter = ckpt.expert_dims()
     layers, offset, notes = plan_records(ckpt.moe_layers(), num_experts, hidden, inter, quant, float_encoding,
@@ -275,7 +275,7 @@ def _tokenizer_files(ckpt, src: Path, tmp: Path, tokenizer_dir, notes: list) -> 
     """Tokenizer files into the pack: from ``tokenizer_dir`` when given, else from the HF checkpoint
     directory, else converted from the GGUF metadata (a conversion we cannot do is a note, not a
     failure: the pack runs from token ids, and ``--tokenizer HF_DIR`` adds one)."""
-    source = Path(tokenizer_dir) if tokenizer_dir else (src if src.is_dir() and not hasattr(ckpt, "metadata") else None)
+    source = Path(tokenizer_dir) if tokenizer_dir else (None if ckpt.is_gguf else src)
     if tokenizer_dir and not (source / "tokenizer.json").is_file():
         raise CheckpointError(f"--tokenizer {source}: no tokenizer.json there (pass an HF model directory)")
     if source is not None:
@@ -285,8 +285,6 @@ def _tokenizer_files(ckpt, src: Path, tmp: Path, tokenizer_dir, notes: list) -> 
                 shutil.copyfile(source / name, tmp / name)
                 copied.append(name)
         return copied
-    if not hasattr(ckpt, "metadata"):
-        return []
     from .gguf_tokenizer import TokenizerConversionError, write_tokenizer
     try:
         return write_tokenizer(ckpt.metadata, tmp)
