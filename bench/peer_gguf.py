@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-CGROUP = Path("/sys/fs/cgroup/memory")
+from common import can_limit_memory, drop_page_cache, recorded_routing, routing_summary, run_json_worker  # noqa: E402
 
 
 def read_bytes() -> int:
@@ -158,15 +157,6 @@ def worker_ours(spec: dict) -> dict:
     steps = spec["stream"]
     with Runtime.open(cfg, resident_experts=spec["warm"]) as rt:
         model = rt.model
-        routed = {}
-
-        def hook(block, args, output):
-            flat = args[0].reshape(-1, args[0].shape[-1])
-            if flat.shape[0] == 1:
-                probs = torch.softmax(block.gate(flat).float(), -1)
-                for e in torch.topk(probs, block.top_k).indices[0].tolist():
-                    routed.setdefault(block.layer_idx, {}).setdefault(e, 0)
-                    routed[block.layer_idx][e] += 1
 
         def run(stream):
             state = new_state(model)
@@ -182,54 +172,19 @@ def worker_ours(spec: dict) -> dict:
         run(steps if spec["warm"] else steps[:2])
         argmax, dt, nbytes = run(steps)
         stats = rt.stats()
-        # Routing statistics from one more pass over the same stream, after the timing (the hook
-        # costs ~15% of a decode step).
-        handles = [b.register_forward_hook(hook) for b in model.moe_blocks()]
-        run(steps)
-        for h in handles:
-            h.remove()
-    distinct = [len(v) for v in routed.values()]
-    top_share = [max(v.values()) / sum(v.values()) for v in routed.values()]
-    out = {"argmax": argmax, "decode_s": dt, "bytes_per_token": nbytes / len(steps),
-           "distinct_experts_per_layer": sum(distinct) / len(distinct), "top_expert_share": max(top_share)}
+        # Routing statistics from one more pass over the same stream, after the timing.
+        with recorded_routing(model) as routed:
+            run(steps)
+    out = {"argmax": argmax, "decode_s": dt, "bytes_per_token": nbytes / len(steps), **routing_summary(routed)}
     if stats:
         out["hit_rate"] = stats["total"]["hit_rate"]
     return out
 
 
-def drop_page_cache() -> None:
-    """Start every run cold: page cache filled by an earlier run (charged to another cgroup)
-    would let a capped run read a file it never pays for."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def run_worker(kind: str, spec: dict, cap_bytes: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", kind, json.dumps(spec)]
-    group = None
-    if cap_bytes:
-        group = CGROUP / f"lqf-peer-gguf-{os.getpid()}"
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
-        cmd = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"] + cmd
     if os.geteuid() == 0:
         drop_page_cache()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            return {"error": p.stderr[-1500:] or f"exit status {p.returncode} (killed by the cgroup's OOM killer?)"}
-        res = json.loads(p.stdout.strip().splitlines()[-1])
-        if group:
-            res["cgroup_peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
-        return res
-    finally:
-        if group:
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+    return run_json_worker([sys.executable, __file__, "--worker", kind, json.dumps(spec)], cap_bytes, "lqf-peer-gguf")
 
 
 def main() -> int:
@@ -257,7 +212,7 @@ def main() -> int:
     file_bytes = files["gguf"]["uniform"].stat().st_size
     cap = int(args.cap_gib * 2**30) if args.cap_gib else file_bytes // 2
     host_cache = args.host_cache_gib if args.host_cache_gib else cap / 2**30 - 1.0
-    can_cap = os.geteuid() == 0 and CGROUP.is_dir()
+    can_cap = can_limit_memory()
     import random
     rng = random.Random(0)
     prompt = [rng.randrange(259, config["vocab_size"]) for _ in range(args.prompt_tokens)]

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,11 +39,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 from lean_qwenflash.store import format as fmt  # noqa: E402
 from lean_qwenflash.store.checkpoint import StreamingSafetensorsWriter  # noqa: E402
 
-CGROUP = Path("/sys/fs/cgroup/memory")
+from common import can_limit_memory, run_json_worker  # noqa: E402
 
 
 def model_config(experts_gib: float) -> dict:
@@ -227,32 +227,7 @@ def worker(spec: dict) -> dict:
 # -- orchestration ---------------------------------------------------------------------------------
 
 def run_worker(spec: dict, limit_bytes: int | None) -> dict:
-    cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    group = None
-    if limit_bytes:
-        group = CGROUP / f"lqf-bench-{os.getpid()}"
-        group.mkdir()
-        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        # The shell joins the group, then becomes the worker: everything it allocates is counted.
-        cmd = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"] + cmd
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            return {"error": (p.stderr or "")[-800:], "returncode": p.returncode}
-        res = json.loads(p.stdout.strip().splitlines()[-1])
-        if group:
-            res["cgroup_peak_bytes"] = int((group / "memory.max_usage_in_bytes").read_text())
-            res["cgroup_limit_bytes"] = limit_bytes
-            res["limit_hits"] = int((group / "memory.failcnt").read_text())  # reclaim at the limit, not kills
-        return res
-    finally:
-        if group:
-            for _ in range(50):
-                try:
-                    group.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+    return run_json_worker([sys.executable, __file__, "--worker", json.dumps(spec)], limit_bytes, "lqf-bench")
 
 
 def main() -> int:
@@ -302,7 +277,7 @@ def main() -> int:
             packs[args.quant][routing] = dst
     experts_bytes = json.loads((uniform / "manifest.json").read_text())["experts_bytes"]
     limit = int(args.limit_gib * 2**30)
-    can_limit = os.geteuid() == 0 and CGROUP.is_dir()
+    can_limit = can_limit_memory()
     base = dict(host_cache_bytes=int(args.host_cache_gib * 2**30), depth=args.depth, engine=args.engine,
                 tokens=args.tokens, warmup_tokens=args.warmup_tokens, prompt_tokens=args.prompt_tokens,
                 probe_seconds=args.probe_seconds, threads=args.threads)
