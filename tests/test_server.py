@@ -288,6 +288,16 @@ def test_second_turn_reuses_prefix(srv):
     assert srv.metric("lqf_prefix_cache_entries") > 0
 
 
+def _wait_cancelled(srv, cancelled0: float, tokens0: float, max_tokens: int) -> None:
+    """The generation a departed client started is cancelled within 5 s, before max_tokens."""
+    deadline = time.time() + 5
+    while srv.metric("lqf_generations_cancelled_total") == cancelled0:
+        assert time.time() < deadline, "generation was not cancelled after the client left"
+        time.sleep(0.05)
+    assert srv.metric("lqf_generations_running") == 0
+    assert srv.metric("lqf_generation_tokens_total") - tokens0 < max_tokens
+
+
 def test_disconnect_cancels_generation(srv):
     cancelled0 = srv.metric("lqf_generations_cancelled_total")
     tokens0 = srv.metric("lqf_generation_tokens_total")
@@ -298,12 +308,7 @@ def test_disconnect_cancels_generation(srv):
             lines += bool(line.startswith("data:"))
             if lines >= 5:
                 break
-    deadline = time.time() + 5
-    while srv.metric("lqf_generations_cancelled_total") == cancelled0:
-        assert time.time() < deadline, "generation was not cancelled after the client left"
-        time.sleep(0.05)
-    assert srv.metric("lqf_generations_running") == 0
-    assert srv.metric("lqf_generation_tokens_total") - tokens0 < 900
+    _wait_cancelled(srv, cancelled0, tokens0, 900)
     r = srv.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=5)
     assert r.choices[0].finish_reason in ("length", "stop")
 
@@ -568,12 +573,7 @@ def test_disconnect_cancels_a_non_streamed_generation(srv):
     body = {"model": MODEL, "messages": USER, "max_tokens": 900, "temperature": 0.9, "seed": 1}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
-    deadline = time.time() + 5
-    while srv.metric("lqf_generations_cancelled_total") == cancelled0:
-        assert time.time() < deadline, "generation was not cancelled after the client left"
-        time.sleep(0.05)
-    assert srv.metric("lqf_generations_running") == 0
-    assert srv.metric("lqf_generation_tokens_total") - tokens0 < 900
+    _wait_cancelled(srv, cancelled0, tokens0, 900)
 
 
 def test_a_huge_prompt_does_not_block_health_or_other_requests(srv):
