@@ -18,7 +18,7 @@ import torch
 
 from .checkpoint import HFCheckpoint
 from . import naming
-from .gguf_names import EXPERT_KEYS, Joined, gguf_arch, hf_to_gguf_tensor, transform_for
+from .gguf_names import EXPERT_KEYS, Joined, Values, gguf_arch, hf_to_gguf_tensor, transform_for
 from .gguf_tokenizer import TokenizerConversionError, gguf_tokenizer_metadata
 
 ENCODINGS = ("bf16", "f16", "f32")
@@ -154,7 +154,9 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int
             continue
         make = (lambda key=key: ckpt.get(key)) if tr is None else \
             (lambda key=key, tr=tr: tr.to_gguf(ckpt.get(key).float(), cfg))
-        shape = tuple(ckpt.shape(key)) if tr is None else tuple(make().shape)
+        shape = tuple(ckpt.shape(key))
+        if isinstance(tr, Values):       # (shape only: nothing is read until the tensor is written)
+            shape = tuple(tr.to_gguf(torch.empty(shape, device="meta"), cfg).shape)
         writes.append((name, shape, enc, make))
     if ckpt.moe_layers():
         num_experts, _, hidden, inter = ckpt.expert_dims()

@@ -21,7 +21,7 @@ import torch
 from ..quant import ENCODINGS, QuantRows, QuantTensor, get_encoding
 from . import naming
 from .checkpoint import CheckpointError, ConfigExperts
-from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Permute, Values, gguf_to_hf_tensor,
+from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Values, gguf_to_hf_tensor,
                          split_layer_name, transform_for)
 
 GGUF_MAGIC = b"GGUF"
