@@ -207,8 +207,8 @@ class _Server:
         elif choice == "required":
             after_think = self.tool_open_ids
         effort = req.reasoning_effort or self.cfg.server.default_reasoning_effort
-        budget = REASONING_BUDGETS[effort]
-        thinking = effort != "none"
+        budget = REASONING_BUDGETS[effort] if req.thinking_budget is None else req.thinking_budget
+        thinking = effort != "none" if req.thinking_budget is None else req.thinking_budget > 0
         messages, tools = template_messages(req), tools or None
         try:
             text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)

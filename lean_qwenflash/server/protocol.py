@@ -167,6 +167,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[ReasoningEffort] = None
+    # Extension (also what the Anthropic endpoint's thinking.budget_tokens becomes): the thinking
+    # budget in tokens, overriding reasoning_effort's; 0 turns thinking off.
+    thinking_budget: Optional[int] = Field(None, ge=0)
     response_format: Optional[ResponseFormat] = None
     top_logprobs: Optional[int] = None
 
