@@ -57,7 +57,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: Optional[str] = None
-    max_queue: int = 8                  # waiting requests beyond the one generating; more get 429
+    max_queue: int = 8                  # waiting requests beyond the ones generating; more get 429
+    max_active: int = 4                 # generations decoded at once, one token each in turn (side
+                                        # requests don't wait behind a long answer); 1 = strict FIFO
     max_request_bytes: int = 4 * 1024 * 1024
     prefix_cache_bytes: int = 512 * 1024 * 1024
     model_name: Optional[str] = None    # name served at /v1/models (default: the pack's directory name)
@@ -126,6 +128,8 @@ class RuntimeConfig:
             raise ConfigError("device_cache_bytes: must be 0 when device is 'cpu' (the host cache is the compute tier)")
         if not 0 < self.server.port < 65536:
             raise ConfigError(f"server.port: must be in 1..65535, got {self.server.port}")
+        if self.server.max_active < 1:
+            raise ConfigError(f"server.max_active: must be >= 1, got {self.server.max_active}")
         if self.server.max_queue < 0:
             raise ConfigError(f"server.max_queue: must be >= 0, got {self.server.max_queue}")
         if self.server.default_reasoning_effort not in REASONING_EFFORTS:

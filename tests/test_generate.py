@@ -83,3 +83,104 @@ def test_invalid_generate_arguments(gen):
         g.generate([0, 10 ** 6], SamplingParams())
     with pytest.raises(ValueError, match="prompt"):
         g.generate([], SamplingParams())
+
+
+# -- prefix cache, hooks, stepping ------------------------------------------------------------------
+
+def test_prefix_cache_lru():
+    import torch
+    from lean_qwenflash.generate import KVCache, ModelState, PrefixCache
+
+    def state(tokens):
+        kv = KVCache()
+        kv.append(torch.zeros(1, 1, len(tokens), 8), torch.zeros(1, 1, len(tokens), 8))
+        st = ModelState([kv])
+        st.num_tokens, st.tokens = len(tokens), list(tokens)
+        return st
+
+    per = state([0] * 4).nbytes() + 8 * 4
+    cache = PrefixCache(2 * per)
+    cache.put(state([1, 2, 3, 4]))
+    cache.put(state([1, 2, 3, 5]))
+    hit = cache.lookup([1, 2, 3, 4, 9])
+    assert hit.num_tokens == 4 and hit.tokens == [1, 2, 3, 4]
+    assert cache.lookup([1, 2, 3, 4]) is None       # strict prefix only: one new token must remain
+    cache.put(state([7, 7, 7, 7]))                   # evicts [1,2,3,5], the least recently used
+    assert cache.lookup([1, 2, 3, 5, 1]) is None and cache.lookup([1, 2, 3, 4, 1]) is not None
+    assert cache.used_bytes <= cache.capacity_bytes and cache.evictions == 1
+    unknown = state([1, 2])
+    unknown.tokens = None
+    with pytest.raises(ValueError, match="tokens it covers"):
+        cache.put(unknown)
+
+
+def test_prefix_cache_reuse_is_exact(gen):
+    from lean_qwenflash.generate import PrefixCache
+
+    g, prompt = gen
+    greedy = SamplingParams(temperature=0)
+    cached = Generator(g.model, prefill_chunk_tokens=5, prefix_cache=PrefixCache(1 << 30))
+    first = cached.start(prompt, greedy, 70, checkpoints=[len(prompt) - 3])
+    tokens = list(first)
+    assert first.cached_tokens == 0 and first.finish_reason == "length"
+    assert first.state.tokens == prompt + tokens[:-1] and first.state.num_tokens == len(prompt) + 69
+    assert tokens == list(g.generate(prompt, greedy, 70))
+    # The next turn extends the first answer: it starts from the end-of-generation snapshot.
+    follow = prompt + tokens + [7, 8]
+    second = cached.start(follow, greedy, 12)
+    assert list(second) == list(g.generate(follow, greedy, 12))
+    assert second.cached_tokens == len(prompt) + 69
+    # A prompt that diverges just after the checkpoint starts from the checkpoint's snapshot.
+    other = prompt[:-3] + [11, 12, 13]
+    third = cached.start(other, greedy, 8)
+    assert list(third) == list(g.generate(other, greedy, 8)) and third.cached_tokens == len(prompt) - 3
+
+
+def test_hooks_force_mask_and_stop(gen):
+    import torch
+    from lean_qwenflash.generate import TokenHook
+
+    g, prompt = gen
+    greedy = SamplingParams(temperature=0)
+    plain = list(g.generate(prompt, greedy, 10))
+
+    class Hook(TokenHook):
+        def __init__(self):
+            self.seen, self.step = [], 0
+
+        def forced(self):
+            return 42 if self.step == 2 else None
+
+        def mask(self, logits):
+            return logits.index_fill(0, torch.tensor([plain[0]]), float("-inf"))
+
+        def observe(self, token):
+            self.seen.append(token)
+            self.step += 1
+
+    hook = Hook()
+    run = g.start(prompt, greedy, 10, hooks=[hook])
+    out = []
+    for token in run:
+        out.append(token)
+        if len(out) == 6:
+            run.stop("client")
+    assert out[0] != plain[0] and out[2] == 42 and plain[0] not in [out[i] for i in (0, 1, 3, 4, 5)]
+    assert hook.seen == out and len(out) == 6 and run.finish_reason == "client"
+    # A forced token is emitted even when it is a stop token; a sampled one ends the generation.
+    assert list(g.start(prompt, greedy, 4, stop_token_ids=[42], hooks=[Hook()]))[2] == 42
+
+
+def test_interleaved_steps_equal_separate_runs(gen):
+    g, prompt = gen
+    greedy = SamplingParams(temperature=0)
+    other = prompt[::-1]
+    runs = [g.start(prompt, greedy, 9), g.start(other, SamplingParams(temperature=1.0, seed=5), 7)]
+    out = [[], []]
+    while not all(r.done for r in runs):
+        for i, r in enumerate(runs):
+            token = r.step()
+            if token is not None:
+                out[i].append(token)
+    assert out[0] == list(g.generate(prompt, greedy, 9))
+    assert out[1] == list(g.generate(other, SamplingParams(temperature=1.0, seed=5), 7))

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 import tokenizers
 
-from .parse import held_prefix
-from .template import ChatTemplate
+from .parse import THINK_OPEN, held_prefix
+from .template import ChatTemplate, TemplateError
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 LONG_TEXT_CHARS = 64 * 1024     # from here on, encode without holding the GIL (see Tokenizer.encode)
@@ -148,8 +149,39 @@ class Tokenizer:
                                          enable_thinking=enable_thinking, **extra)
         return self.encode(text) if tokenize else text
 
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping] | None = None,
+                    thinking: bool = False) -> "ChatPrompt":
+        """The prompt to generate the next assistant turn from, with its prefix-reuse checkpoints.
+
+        With ``thinking`` the answer starts inside ``<think>`` (opened here unless the template
+        did). ``checkpoints`` are token counts of turn boundaries a later prompt of the same
+        conversation will likely share (see ``generate/prefix.py``): the end of the conversation so
+        far, and the bare assistant header (thinking on adds no empty think block), which is where
+        later turns re-render this answer from. One tokenization serves all of them.
+        """
+        text = self.apply_chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)
+        try:
+            marks = [self.apply_chat_template(messages, tools=tools, add_generation_prompt=False),
+                     text if thinking else self.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                                    enable_thinking=True)]
+        except TemplateError:
+            # The extra renders are only an optimisation: a template refusing one costs no request.
+            marks = [text] if thinking else []
+        if thinking and not text.rstrip().endswith(THINK_OPEN):
+            text += THINK_OPEN + "\n"
+        ids, checkpoints = self.encode_with_boundaries(text, marks)
+        return ChatPrompt(ids, checkpoints, thinking)
+
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens)
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered, tokenized chat prompt (``Tokenizer.chat_prompt``)."""
+    ids: list[int]
+    checkpoints: list[int]
+    in_think: bool          # the answer starts inside a think block
 
 
 class IncrementalDecoder:

@@ -1,6 +1,8 @@
-"""Generation core: per-layer state, sampling, and the prefill/decode loop."""
-from lean_qwenflash.generate.generator import Generator
+"""Generation core: per-layer state, sampling, the prefill/decode loop, prefix reuse."""
+from lean_qwenflash.generate.generator import Generation, Generator, TokenHook
+from lean_qwenflash.generate.prefix import PrefixCache
 from lean_qwenflash.generate.sampling import Sampler, SamplingParams
 from lean_qwenflash.generate.state import DeltaNetState, KVCache, ModelState, new_state
 
-__all__ = ["Generator", "Sampler", "SamplingParams", "DeltaNetState", "KVCache", "ModelState", "new_state"]
+__all__ = ["Generation", "Generator", "TokenHook", "PrefixCache", "Sampler", "SamplingParams", "DeltaNetState",
+           "KVCache", "ModelState", "new_state"]

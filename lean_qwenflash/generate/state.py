@@ -2,7 +2,8 @@
 
 Layers read and write these objects by attribute (``append`` for attention; ``conv`` and
 ``recurrent`` for DeltaNet) and allocate lazily, so the state needs no model dimensions.
-``clone()`` copies everything (prefix-reuse snapshots); ``num_tokens`` counts tokens consumed.
+``clone()`` copies everything (prefix-reuse snapshots); ``num_tokens`` counts tokens consumed and
+``ModelState.tokens`` lists them (the generator records what it feeds; the prefix cache keys on it).
 """
 from __future__ import annotations
 
@@ -66,15 +67,18 @@ class DeltaNetState:
 
 
 class ModelState:
-    """Everything a model needs to continue a sequence: one state per layer plus the token count."""
+    """Everything a model needs to continue a sequence: one state per layer, the token count and,
+    when it was fed by a ``Generator``, the token ids it covers (``tokens``; None if unknown)."""
 
     def __init__(self, layers: list):
         self.layers = layers
         self.num_tokens = 0
+        self.tokens: Optional[list[int]] = []
 
     def clone(self) -> "ModelState":
         other = ModelState([layer.clone() for layer in self.layers])
         other.num_tokens = self.num_tokens
+        other.tokens = None if self.tokens is None else list(self.tokens)
         return other
 
     def nbytes(self) -> int:

@@ -65,7 +65,7 @@ class Metrics:
         self.ttft = Histogram("lqf_time_to_first_token_seconds", "Request arrival to first generated token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("lqf_queue_depth", "Requests waiting for the model", registry=r)
-        self.running = Gauge("lqf_generations_running", "Generations running (0 or 1)", registry=r)
+        self.running = Gauge("lqf_generations_running", "Generations being decoded (up to server.max_active)", registry=r)
         self.prefix_cache_bytes = Gauge("lqf_prefix_cache_bytes", "Bytes held by prefix-cache snapshots",
                                         registry=r)
         self.prefix_cache_entries = Gauge("lqf_prefix_cache_entries", "Prefix-cache snapshots", registry=r)

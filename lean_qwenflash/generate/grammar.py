@@ -1,0 +1,139 @@
+"""Grammar-constrained decoding: token masks from a grammar, applied as a ``TokenHook``.
+
+The grammar engine is llguidance (https://github.com/guidance-ai/llguidance, on PyPI): it computes
+the set of allowed next tokens for a Lark grammar with embedded JSON schemas in tens of
+microseconds on a CPU, needs no torch, reads our ``tokenizer.json`` directly, and has *lazy*
+lexemes, so a tool call can be constrained from the moment it starts in the middle of free text.
+
+``GrammarHook`` masks the logits of every sampled token while its ``gate`` says the grammar
+applies (the server: once the think block is closed) and advances the matcher with every emitted
+token. ``BannedTokens`` is the grammar-free special case: a fixed set of tokens never sampled.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from lean_qwenflash.generate.generator import TokenHook
+
+log = logging.getLogger("lean_qwenflash.grammar")
+
+# JSON the way models see it in their chat templates (json.dumps): ", " and ": ", no other
+# whitespace (a flexible-whitespace grammar lets a small model pad forever).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A grammar or schema the engine cannot use; the message says what and where."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:       # a hard dependency, but say what to do if it is missing
+        raise GrammarError("constrained decoding needs the llguidance package: pip install llguidance") from e
+    return llguidance
+
+
+def grammar_tokenizer(tokenizer, vocab_size: int):
+    """The llguidance tokenizer for our ``Tokenizer`` (built once, ~0.1-1 s, then kept on it)."""
+    cached = getattr(tokenizer, "_llg_tokenizer", None)
+    if cached is not None and cached[0] == vocab_size:
+        return cached[1]
+    llg = _llguidance()
+    n_vocab = max(vocab_size, tokenizer.backend.get_vocab_size(with_added_tokens=True))
+    lltok = llg.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab,
+                            eos_token=list(tokenizer.eos_token_ids) or None)
+    tokenizer._llg_tokenizer = (vocab_size, lltok)
+    return lltok
+
+
+def json_schema_grammar(schema: Optional[dict], where: str) -> str:
+    """A ``%json`` grammar fragment for ``schema`` (None: any JSON object), with our layout; falls
+    back to llguidance's lenient mode (unsupported keywords ignored, logged) before refusing."""
+    llg = _llguidance()
+    schema = {"type": "object"} if schema is None else schema
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{where}: a JSON schema must be an object, got {type(schema).__name__}")
+    for lenient in (False, True):
+        options = dict(JSON_LAYOUT, lenient=True) if lenient else JSON_LAYOUT
+        candidate = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
+        text = json.dumps(candidate, ensure_ascii=False)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+            llg.LLMatcher.grammar_from_json_schema(text))
+        if not is_error:
+            if lenient:
+                log.warning("%s: constrained decoding ignores parts of this schema: %s", where, "; ".join(messages))
+            return "%json " + text
+    raise GrammarError(f"{where}: constrained decoding cannot use this JSON schema: {messages[0] if messages else '?'}")
+
+
+class GrammarHook(TokenHook):
+    """Masks sampled tokens to a Lark grammar (llguidance syntax) while ``gate()`` is true.
+
+    Hooks run in list order: put this one before a hook whose ``observe`` flips the gate (the
+    server's thinking ``Steering``), so the token that closes the think block is not fed to it.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, lark: str, gate: Optional[Callable[[], bool]] = None,
+                 device="cpu"):
+        llg = _llguidance()
+        self.lltok = grammar_tokenizer(tokenizer, vocab_size)
+        self.matcher = llg.LLMatcher(self.lltok, lark, log_level=1)
+        if self.matcher.is_error():
+            raise GrammarError(f"grammar rejected: {self.matcher.get_error()}")
+        self.gate = gate
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self._bits = torch.zeros(self.words, dtype=torch.int32)
+        self._shifts = torch.arange(32, dtype=torch.int32)
+        self.device = device
+        self.masked_tokens = 0            # tokens sampled under the mask (for stats)
+
+    @property
+    def active(self) -> bool:
+        return self.gate is None or self.gate()
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is a complete sentence of the grammar."""
+        return self.matcher.is_accepting()
+
+    def allowed(self) -> torch.Tensor:
+        """bool [vocab_size]: the tokens the grammar allows next."""
+        self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self.words * 4)
+        bits = (self._bits.unsqueeze(1) >> self._shifts) & 1
+        return bits.view(-1)[:self.vocab_size].bool()
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return logits
+        if self.matcher.is_error():
+            raise GrammarError(f"grammar matcher failed: {self.matcher.get_error()}")
+        self.masked_tokens += 1
+        allowed = self.allowed().to(logits.device)
+        return logits.masked_fill(~allowed[:logits.shape[-1]], float("-inf"))
+
+    def observe(self, token_id: int) -> None:
+        if not self.active:
+            return
+        if not self.matcher.consume_token(int(token_id)):
+            raise GrammarError(f"token {token_id} violates the grammar: {self.matcher.get_error()}")
+
+
+class BannedTokens(TokenHook):
+    """Never sample these token ids (forced tokens are not affected)."""
+
+    def __init__(self, token_ids: Iterable[int]):
+        self.ids = sorted(set(int(t) for t in token_ids))
+        self._index = None
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        if not self.ids:
+            return logits
+        if self._index is None or self._index.device != logits.device:
+            self._index = torch.tensor(self.ids, dtype=torch.long, device=logits.device)
+        return logits.index_fill(0, self._index[self._index < logits.shape[-1]], float("-inf"))
