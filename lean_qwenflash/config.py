@@ -7,6 +7,7 @@ a typo is an error that names the key. Sizes accept integers or strings like "8G
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,11 @@ class ServerConfig:
     # Tokens a request without max_tokens may generate; None: until the turn ends or the context is
     # full (what agents that never send max_tokens, e.g. Aider, expect).
     max_output_tokens: Optional[int] = None
+    # Reading a request is timed (the response is not): a connection must deliver a complete request
+    # head within header_timeout_s of connecting or of its previous response finishing, and the whole
+    # body within body_timeout_s after the head; otherwise it gets 408 and is closed.
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
 
 
 @dataclass
@@ -140,6 +146,10 @@ class RuntimeConfig:
                               f"got {self.server.max_output_tokens}")
         if self.server.max_request_bytes < 1024:
             raise ConfigError(f"server.max_request_bytes: must be at least 1KiB, got {self.server.max_request_bytes}")
+        for key in ("header_timeout_s", "body_timeout_s"):
+            seconds = getattr(self.server, key)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+                raise ConfigError(f"server.{key}: must be a positive number of seconds, got {seconds!r}")
         gen = self.generation
         for key in ("max_tokens", "prefill_chunk_tokens"):
             if getattr(gen, key) < 1:

@@ -37,14 +37,18 @@ def _free_port() -> int:
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on a free loopback port in a daemon thread."""
+    """uvicorn serving ``app`` on a free loopback port in a daemon thread, set up as ``main.run``
+    does (``uvicorn_config``) from ``cfg`` (default: the config the app was made with)."""
 
-    def __init__(self, app):
+    def __init__(self, app, cfg=None):
         import uvicorn
+
+        from lean_qwenflash.server.http import uvicorn_config
 
         self.port = _free_port()
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        cfg = cfg if cfg is not None else app.state.server.cfg
+        self.server = uvicorn.Server(uvicorn_config(app, cfg, "warning", host="127.0.0.1", port=self.port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20

@@ -49,6 +49,7 @@ def run(args) -> int:
 
     from lean_qwenflash.runtime import Runtime
     from lean_qwenflash.server.app import create_app
+    from lean_qwenflash.server.http import uvicorn_config
 
     cfg = serve_config(args.config, args.host, args.port, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -58,9 +59,12 @@ def run(args) -> int:
         app = create_app(rt, cfg, model_name=name)
         print(f"lean-qwenflash: serving {name!r} ({rt.store.path}) on http://{cfg.server.host}:{cfg.server.port}/v1"
               + (" (API key required)" if cfg.server.api_key else ""), file=sys.stderr)
-        uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5)
-    return 0
+        server = uvicorn.Server(uvicorn_config(app, cfg, args.log_level))
+        try:
+            server.run()
+        except KeyboardInterrupt:           # uvicorn re-raises the Ctrl-C it shut down for (as uvicorn.run)
+            pass
+    return 0 if server.started else 3      # 3: what uvicorn.run exits with when startup fails
 
 
 def main(argv=None) -> int:
