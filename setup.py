@@ -80,9 +80,10 @@ setup(
         "fastapi>=0.110",
         "uvicorn>=0.29",
         "prometheus-client>=0.17",
+        "llguidance>=1.0",     # grammar-constrained tool calls and JSON answers (server)
     ],
     extras_require={
-        "dev": ["pytest>=7", "gguf>=0.17", "llama-cpp-python>=0.3.30", "transformers>=5.0", "openai>=1.30", "httpx>=0.27", "schemathesis>=3.30"],
+        "dev": ["pytest>=7", "gguf>=0.17", "llama-cpp-python>=0.3.30", "transformers>=5.0", "openai>=1.30", "anthropic>=0.42", "httpx>=0.27", "jsonschema>=4", "schemathesis>=3.30"],
         "cuda": ["flash-linear-attention", "causal-conv1d", "flash-attn"],
         "exl3": ["exllamav3"],
     },

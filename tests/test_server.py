@@ -188,43 +188,20 @@ def test_output_pipeline_streams_what_it_returns_whole():
     assert out.stopped and msg.content == "Let me"
 
 
-def test_steering_budget_and_forced_tool_prefix():
+def test_steering_budget():
     from lean_qwenflash.server.engine import Steering
 
     close, open_ = 4, 3
-    s = Steering(open_, close, [9, close, 10], think_budget=3, in_think=True, after_think_ids=[5])
+    s = Steering(open_, close, [9, close, 10], think_budget=3, in_think=True)
     produced = []
-    for sampled in [100, 101, 102, 103, 104, 105]:
-        forced = s.next_forced()
+    for sampled in [100, 101, 102, 103, 104, 105, 106]:
+        forced = s.forced()
         tok = forced if forced is not None else sampled
         s.observe(tok)
         produced.append(tok)
-    # three thoughts, forced "\n</think>\n\n", then the forced tool-call opener, then sampling again
-    assert produced[:7 - 1] == [100, 101, 102, 9, close, 10] and s.forced_closed
-    assert s.next_forced() == 5 and s.next_forced() is None
-    assert s.think_tokens == 5    # 3 sampled + "\n" + "</think>"
-
-
-def test_prefix_cache_lru():
-    from lean_qwenflash.generate.state import KVCache, ModelState
-    from lean_qwenflash.server.engine import PrefixCache
-
-    def state(n):
-        kv = KVCache()
-        kv.append(torch.zeros(1, 1, n, 8), torch.zeros(1, 1, n, 8))
-        st = ModelState([kv])
-        st.num_tokens = n
-        return st
-
-    per = state(4).nbytes() + 8 * 4
-    cache = PrefixCache(2 * per)
-    cache.put([1, 2, 3, 4], state(4))
-    cache.put([1, 2, 3, 5], state(4))
-    assert cache.lookup([1, 2, 3, 4, 9]).num_tokens == 4
-    assert cache.lookup([1, 2, 3, 4]) is None       # strict prefix only: one new token must remain
-    cache.put([7, 7, 7, 7], state(4))                # evicts [1,2,3,5], the least recently used
-    assert cache.lookup([1, 2, 3, 5, 1]) is None and cache.lookup([1, 2, 3, 4, 1]) is not None
-    assert cache.used_bytes <= cache.capacity_bytes and cache.evictions == 1
+    # three thoughts, forced "\n</think>\n\n", then sampling again
+    assert produced == [100, 101, 102, 9, close, 10, 106] and s.forced_closed
+    assert not s.in_think and s.think_tokens == 5    # 3 sampled + "\n" + "</think>"
 
 
 # -- against the tiny model -------------------------------------------------------------------------
@@ -357,7 +334,9 @@ def test_concurrent_clients_and_queue_overflow(srv):
     ({"model": MODEL, "messages": USER, "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream"),
     ({"model": MODEL, "messages": USER, "n": 2}, 400, "n=2"),
-    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_object"}}, 400, "not supported"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),
+    ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": "nope"}}}}, 400, "properties must be an object"),
     ({"model": MODEL, "messages": USER, "reasoning_effort": "extreme"}, 400, "reasoning_effort"),
     ({"model": MODEL, "messages": USER, "tool_choice": "required"}, 400, "tool_choice requires tools"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "system", "content": "late"}]},

@@ -51,13 +51,43 @@ def grammar_tokenizer(tokenizer, vocab_size: int):
     return lltok
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUED = ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "not", "if", "then",
+                  "else", "contains", "propertyNames", "additionalItems", "unevaluatedProperties")
+
+
+def closed_objects(schema):
+    """``schema`` with ``additionalProperties: false`` wherever an object lists its ``properties``
+    and says nothing about others: what a model writes then still validates against the original,
+    but it cannot invent argument names (or wander off into an unbounded key). A schema that sets
+    additionalProperties, or lists no properties, is left as it is."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):      # name -> schema
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_VALUED:
+            out[key] = closed_objects(value)
+        else:                                                  # data (enum, const, default...) or words
+            out[key] = value
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
 def json_schema_grammar(schema: Optional[dict], where: str) -> str:
-    """A ``%json`` grammar fragment for ``schema`` (None: any JSON object), with our layout; falls
-    back to llguidance's lenient mode (unsupported keywords ignored, logged) before refusing."""
+    """A ``%json`` grammar fragment for ``schema`` (None: any JSON object), objects closed (see
+    ``closed_objects``), with our layout; falls back to llguidance's lenient mode (unsupported
+    keywords ignored, logged) before refusing."""
     llg = _llguidance()
     schema = {"type": "object"} if schema is None else schema
     if not isinstance(schema, dict):
         raise GrammarError(f"{where}: a JSON schema must be an object, got {type(schema).__name__}")
+    schema = closed_objects(schema)
     for lenient in (False, True):
         options = dict(JSON_LAYOUT, lenient=True) if lenient else JSON_LAYOUT
         candidate = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
@@ -68,7 +98,8 @@ def json_schema_grammar(schema: Optional[dict], where: str) -> str:
             if lenient:
                 log.warning("%s: constrained decoding ignores parts of this schema: %s", where, "; ".join(messages))
             return "%json " + text
-    raise GrammarError(f"{where}: constrained decoding cannot use this JSON schema: {messages[0] if messages else '?'}")
+    why = " ".join((messages[0] if messages else "?").split())      # one line (regex errors span several)
+    raise GrammarError(f"{where}: constrained decoding cannot use this JSON schema: {why}")
 
 
 class GrammarHook(TokenHook):

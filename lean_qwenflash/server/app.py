@@ -1,4 +1,5 @@
-"""HTTP routes: OpenAI-compatible chat/completions, models, health and Prometheus metrics.
+"""HTTP routes: OpenAI-compatible chat/completions, models, health and Prometheus metrics (the
+Anthropic Messages API is in ``anthropic.py``, on the same engine).
 
 ``create_app(runtime, ...)`` builds the FastAPI app around an opened ``Runtime``; the engine
 (worker thread + queue + prefix cache) starts with the app and stops at shutdown. The runtime
@@ -20,7 +21,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lean_qwenflash.chat import TemplateError
+from lean_qwenflash.chat.constrain import answer_grammar
+from lean_qwenflash.chat.parse import TOOL_OPEN
 from lean_qwenflash.generate import SamplingParams
+from lean_qwenflash.generate.grammar import BannedTokens, GrammarError, GrammarHook, grammar_tokenizer
 from lean_qwenflash.runtime import sampling_params
 from lean_qwenflash.server.engine import Engine, Job, QueueFull, Steering
 from lean_qwenflash.server.metrics import Metrics
@@ -53,8 +57,8 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        route = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health",
-                                 "/metrics") else "other"
+        route = path if path in ("/v1/chat/completions", "/v1/completions", "/v1/messages",
+                                 "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics") else "other"
         status_seen = {}
 
         async def counting_send(message):
@@ -65,17 +69,19 @@ class _Guard:
         try:
             headers = dict(scope.get("headers") or [])
             if self.api_key and path not in _OPEN_PATHS:
+                # OpenAI clients send "Authorization: Bearer KEY", Anthropic's "x-api-key: KEY".
                 auth = headers.get(b"authorization", b"").decode("latin-1")
-                given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                    err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                given = [auth[7:].strip() if auth[:7].lower() == "bearer " else "",
+                         headers.get(b"x-api-key", b"").decode("latin-1").strip()]
+                if not any(hmac.compare_digest(g.encode(), self.api_key.encode()) for g in given if g):
+                    err = ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                    return await _error_response(err)(scope, receive, counting_send)
+                    return await _error_response(err, path)(scope, receive, counting_send)
             declared = headers.get(b"content-length")
             too_big = ApiError(413, f"request body larger than server.max_request_bytes={self.max_request_bytes}",
                                code="request_too_large")
             if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
-                return await _error_response(too_big)(scope, receive, counting_send)
+                return await _error_response(too_big, path)(scope, receive, counting_send)
             chunks, size = [], 0
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 while True:
@@ -85,7 +91,7 @@ class _Guard:
                     chunks.append(message.get("body", b""))
                     size += len(chunks[-1])
                     if size > self.max_request_bytes:
-                        return await _error_response(too_big)(scope, receive, counting_send)
+                        return await _error_response(too_big, path)(scope, receive, counting_send)
                     if not message.get("more_body"):
                         break
             replayed = not chunks
@@ -106,13 +112,14 @@ class _Guard:
                     raise
                 log.exception("request failed")
                 err = ApiError(500, "internal server error (see the server log)", code="internal_error")
-                await _error_response(err)(scope, receive, counting_send)
+                await _error_response(err, path)(scope, receive, counting_send)
         finally:
             self.metrics.requests.labels(route, str(status_seen.get("status", 499))).inc()
 
 
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def _error_response(err: ApiError, path: str = "") -> JSONResponse:
+    """``err`` answering a request to ``path`` (Anthropic's error shape on its routes)."""
+    return JSONResponse(err.body_for(path), status_code=err.status, headers=err.headers)
 
 
 def _usage(info: dict) -> dict:
@@ -144,13 +151,16 @@ class _Server:
                                   or self.tokenizer.config.get("model_max_length") or 32768)
         self.metrics = Metrics(runtime.provider)
         self.engine = Engine(runtime.model, cfg.generation.prefill_chunk_tokens, cfg.server.max_queue,
-                             cfg.server.prefix_cache_bytes, self.metrics)
+                             cfg.server.prefix_cache_bytes, self.metrics, cfg.server.max_active)
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids)
         tok = self.tokenizer
         self.think_open_id = tok.token_to_id("<think>")
         self.think_close_id = tok.token_to_id("</think>")
         self.think_close_ids = tok.encode("\n</think>\n\n")
-        self.tool_open_ids = tok.encode("<tool_call>")
+        self.tool_open_id = tok.token_to_id(TOOL_OPEN)
+        self.vocab_size = self.engine.generator.vocab_size
+        if self.tool_open_id is not None:
+            grammar_tokenizer(tok, self.vocab_size)     # built once here (~1 s), not in a request
         self.created = int(time.time())
 
     # -- request -> job -------------------------------------------------------------------------
@@ -187,56 +197,64 @@ class _Server:
                                 f"requested {prompt_len + (requested or 0)} tokens ({prompt_len} in the {param}, "
                                 f"{requested or 0} in the completion). Please reduce the length of the {param} "
                                 f"or completion. (The model's context is {self.context_tokens} tokens: "
-                                "max_position_embeddings.)", param, "context_length_exceeded")
+                                "max_position_embeddings.)", param, "context_length_exceeded",
+                           # Anthropic's wording, which Claude Code matches to compact the conversation
+                           anthropic_message=f"prompt is too long: {prompt_len} tokens > "
+                                             f"{self.context_tokens - 1} maximum")
         room = self.context_tokens - prompt_len
         # Asking for more than fits is answered with what fits (finish_reason "length").
         return min(requested or self.cfg.server.max_output_tokens or room, room)
 
     def chat_job(self, req: ChatCompletionRequest, loop=None) -> Job:
-        """The job for a chat request: the template rendered and the prompt tokenized (slow for a
-        long conversation: the handlers run this in a worker thread, ``loop`` being theirs)."""
+        """The job for a chat request: the template rendered, the prompt tokenized and the answer's
+        grammar compiled (slow for a long conversation or many tools: the handlers run this in a
+        worker thread, ``loop`` being theirs)."""
         tok = self.tokenizer
         choice = req.tool_choice
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-        after_think: list[int] = []
+        mode = "auto"
         if choice == "none":
             tools = []
         elif isinstance(choice, NamedToolChoice):
             tools = [t for t in tools if t["function"]["name"] == choice.function.name]
-            after_think = tok.encode('<tool_call>{"name": ' + json.dumps(choice.function.name) + ', "arguments": ')
+            mode = "named"
         elif choice == "required":
-            after_think = self.tool_open_ids
+            mode = "required"
         effort = req.reasoning_effort or self.cfg.server.default_reasoning_effort
         budget = REASONING_BUDGETS[effort] if req.thinking_budget is None else req.thinking_budget
         thinking = effort != "none" if req.thinking_budget is None else req.thinking_budget > 0
-        messages, tools = template_messages(req), tools or None
+        messages = template_messages(req)
         try:
-            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, enable_thinking=thinking)
+            prompt = tok.chat_prompt(messages, tools=tools or None, thinking=thinking)
         except TemplateError as e:
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
-        # Turn boundaries a later request will likely share (see engine.py, prefix reuse): the end of
-        # the conversation so far, and the bare assistant header (thinking on adds no empty think
-        # block), which is where later turns re-render this answer from.
-        try:
-            marks = [tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False),
-                     text if thinking else tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                                   enable_thinking=True)]
-        except TemplateError:
-            # These extra renders are only an optimisation: a template refusing one costs no request.
-            marks = [text] if thinking else []
-        if thinking and not text.rstrip().endswith("<think>"):
-            # The answer starts inside <think> (unless the template already opened it).
-            text += "<think>\n"
-        # One tokenization: the marks are prefixes of the prompt text, cut where a token ends.
-        prompt, checkpoints = tok.encode_with_boundaries(text, marks)
-        max_new = self.max_new_tokens(len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+        max_new = self.max_new_tokens(len(prompt.ids), req.max_completion_tokens or req.max_tokens, "messages")
         steering = None
-        if self.think_close_id is not None or after_think:
+        if self.think_close_id is not None:
             steering = Steering(self.think_open_id, self.think_close_id, self.think_close_ids,
-                                budget if thinking else None, thinking, after_think)
-        output = ChatOutput(tok, stop_strings(req), in_reasoning=thinking, parse_tools=choice != "none")
-        return Job(prompt, self.sampling(req), max_new, self.stop_ids, output, steering, checkpoints=checkpoints,
-                   loop=loop)
+                                budget if thinking else None, thinking)
+        hooks = self.answer_hooks(req, tools, mode, steering)
+        output = ChatOutput(tok, stop_strings(req), in_reasoning=thinking, parse_tools=bool(tools))
+        return Job(prompt.ids, self.sampling(req), max_new, self.stop_ids, output, hooks, steering,
+                   checkpoints=prompt.checkpoints, loop=loop)
+
+    def answer_hooks(self, req: ChatCompletionRequest, tools: list, mode: str, steering) -> list:
+        """The per-token hooks of a chat answer: its grammar (offered tools / response_format) or,
+        with nothing to constrain, a ban on the tool-call token; then the thinking ``Steering``."""
+        fmt = req.response_format.model_dump(exclude_none=True, by_alias=True) if req.response_format else None
+        try:
+            lark = answer_grammar(self.tokenizer, tools, mode, req.parallel_tool_calls, fmt)
+            hooks = []
+            if lark is not None:
+                gate = (lambda: not steering.in_think) if steering is not None else None
+                hooks.append(GrammarHook(self.tokenizer, self.vocab_size, lark, gate))
+            elif self.tool_open_id is not None:
+                hooks.append(BannedTokens([self.tool_open_id]))    # no tools offered: no tool calls
+        except GrammarError as e:
+            where = str(e).split(":", 1)[0]
+            param = where.split(" ")[0] if where.startswith(("tools[", "response_format")) else None
+            raise ApiError(400, str(e), param, "invalid_schema") from None
+        return hooks + ([steering] if steering is not None else [])
 
     def completion_job(self, req: CompletionRequest, loop=None) -> Job:
         p = req.prompt
@@ -304,7 +322,7 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return _error_response(exc)
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -312,28 +330,30 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         if first.get("type") == "json_invalid":
             return _error_response(ApiError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
-                                                 .rstrip(": "), code="invalid_json"))
+                                                 .rstrip(": "), code="invalid_json"), request.url.path)
         param = error_param(tuple(first.get("loc", ())))
         msg = f"{param}: {first.get('msg')}" if param else f"request body: {first.get('msg')}"
         if len(errors) > 1:
             msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-        return _error_response(ApiError(400, msg, param, "invalid_value"))
+        return _error_response(ApiError(400, msg, param, "invalid_value"), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return _error_response(ApiError(exc.status_code, str(exc.detail), code=code,
-                                        type="invalid_request_error" if exc.status_code < 500 else "server_error"))
+                                        type="invalid_request_error" if exc.status_code < 500 else "server_error"),
+                               request.url.path)
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):
         log.exception("request failed")
-        return _error_response(ApiError(500, "internal server error (see the server log)", code="internal_error"))
+        return _error_response(ApiError(500, "internal server error (see the server log)", code="internal_error"),
+                               request.url.path)
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": srv.model_name, "queue_depth": srv.engine.queue_depth,
-                "generating": srv.engine.running is not None}
+                "generating": srv.engine.active_count}
 
     @app.get("/metrics")
     async def metrics():
@@ -391,6 +411,8 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
                              "finish_reason": finish_reason(payload["finish_reason"])}],
                 "usage": _usage(payload)}
 
+    from lean_qwenflash.server import anthropic     # it imports this module: not at the top
+    anthropic.register(app, srv)
     return app
 
 

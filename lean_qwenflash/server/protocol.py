@@ -1,7 +1,7 @@
 """OpenAI request shapes (validated with pydantic; they also make the OpenAPI schema) and errors.
 
 Unknown request fields are ignored (clients send many vendor extensions); fields we cannot honour
-(``n`` > 1, ``logprobs``, ``response_format`` json, images) are refused with a 400 naming them.
+(``n`` > 1, ``logprobs``, images) are refused with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -27,11 +27,24 @@ assert tuple(REASONING_BUDGETS) == REASONING_EFFORTS
 ReasoningEffort = Literal[REASONING_EFFORTS]
 
 
+# Anthropic's error types by status; other statuses are invalid_request_error (4xx) or api_error.
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                          529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The Anthropic Messages API's routes (/v1/messages, /v1/messages/count_tokens, ...)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, or on
+    the Anthropic routes in Anthropic's: {"type": "error", "error": {"type", "message"}}
+    (``anthropic_message``, when given, replaces the message there)."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None, headers: Optional[dict] = None):
+                 type: Optional[str] = None, headers: Optional[dict] = None, anthropic_message: Optional[str] = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,9 +53,17 @@ class ApiError(Exception):
         self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                              413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
         self.headers = headers
+        self.anthropic_message = anthropic_message
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body_for(self, path: str) -> dict:
+        """The body answering a request to ``path``: Anthropic's shape on its routes, else OpenAI's."""
+        if not is_anthropic_path(path):
+            return self.body()
+        kind = _ANTHROPIC_ERROR_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.anthropic_message or self.message}}
 
 
 def invalid_text_param(value, path: str = "") -> Optional[str]:
@@ -137,8 +158,16 @@ class StreamOptions(_Strict):
     include_usage: Optional[bool] = None
 
 
+class JsonSchemaFormat(_Strict):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
 
 
 class _Sampling(_Strict):
@@ -236,9 +265,14 @@ def check_unsupported(req: _Sampling) -> None:
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs:
             raise ApiError(400, "top_logprobs is not supported by this server", "top_logprobs")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise ApiError(400, f"response_format {req.response_format.type!r} is not supported (no constrained "
-                                "decoding yet); ask for JSON in the prompt instead", "response_format")
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ApiError(400, "response_format json_schema needs json_schema.schema (the JSON Schema the "
+                                    "answer must follow)", "response_format.json_schema")
+            why = schema_problem(fmt.json_schema.schema_, "response_format.json_schema.schema")
+            if why:
+                raise ApiError(400, f"invalid schema: {why}", "response_format.json_schema.schema")
         for i, m in enumerate(req.messages):
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
