@@ -78,9 +78,14 @@ class ThinkingConfig(_Strict):
     budget_tokens: Optional[int] = Field(None, ge=1)
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+
+
 class OutputConfig(_Strict):
     effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
-    format: Optional[dict[str, Any]] = None
+    format: Optional[OutputFormat] = None
 
 
 class CountTokensRequest(_Strict):
@@ -245,9 +250,13 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     if req.messages[-1].role == "assistant":
         raise _bad(f"messages[{len(req.messages) - 1}].role", "a final assistant message (prefilling the answer) "
                                                                "is not supported: end with a user message")
-    if req.output_config is not None and req.output_config.format is not None:
-        raise _bad("output_config.format", "structured output formats are not supported (no constrained decoding "
-                                           "yet); ask for JSON in the prompt instead")
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:
+        if fmt.schema_ is None:
+            raise _bad("output_config.format.schema", "Field required (the JSON Schema the answer must follow)")
+        why = schema_problem(fmt.schema_, "schema")
+        if why:
+            raise _bad("output_config.format.schema", f"invalid schema: {why}")
     tools, choice, parallel = _tools(req)
     max_tokens = req.max_tokens if full else None
     stops = (req.stop_sequences or []) if full else []
@@ -257,7 +266,11 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         "model": req.model, "messages": messages, "max_tokens": max_tokens, "stop": stops or None,
         "temperature": req.temperature if full else None, "top_p": req.top_p if full else None,
         "top_k": req.top_k if full else None, "tools": tools or None, "tool_choice": choice,
-        "parallel_tool_calls": parallel, "thinking_budget": _thinking_budget(req, max_tokens)})
+        "parallel_tool_calls": parallel, "thinking_budget": _thinking_budget(req, max_tokens),
+        # structured output: the answer is one JSON value of the schema (the grammar the OpenAI
+        # route's response_format json_schema gets)
+        "response_format": None if fmt is None else {"type": "json_schema",
+                                                     "json_schema": {"name": "output", "schema": fmt.schema_}}})
     check_unsupported(chat)       # what the OpenAI route checks too (the checks above name the fields first)
     return chat
 
