@@ -1,7 +1,7 @@
 """`lean-qwenflash chat`: an interactive chat in the terminal.
 
-The conversation's model state is kept between turns: when the next rendered prompt extends the
-tokens already in the state, only the new tokens are prefilled. Ctrl-C during an answer stops
+Turns reuse the model state through the same prefix cache as the server (``generate/prefix.py``,
+sized by ``server.prefix_cache_bytes``): only what a turn adds to the conversation is prefilled. Ctrl-C during an answer stops
 that answer; Ctrl-C or Ctrl-D at the prompt leaves.
 """
 from __future__ import annotations
@@ -10,8 +10,9 @@ import sys
 import time
 
 from .chat import parse_output
-from .generate.generator import Generator
-from .generate.sampling import SamplingParams
+from .chat.parse import TOOL_OPEN
+from .generate import Generator, PrefixCache, SamplingParams
+from .generate.grammar import BannedTokens
 
 HELP = "commands: /stats (expert tier statistics), /reset (new conversation), /think on|off, /quit"
 
@@ -21,9 +22,12 @@ def chat_loop(rt, params: SamplingParams, max_tokens: int, think: bool = False, 
     tok = rt.tokenizer
     if tok is None or tok.chat_template is None:
         raise ValueError(f"the pack {rt.store.path} has no tokenizer with a chat template; use `generate --prompt-ids`")
-    gen = Generator(rt.model, rt.cfg.generation.prefill_chunk_tokens)
+    cache = PrefixCache(rt.cfg.server.prefix_cache_bytes)
+    gen = Generator(rt.model, rt.cfg.generation.prefill_chunk_tokens, cache)
     messages = [{"role": "system", "content": system}] if system else []
-    state, state_tokens = None, []
+    # No tools here: the model may not call one (as the server does when none are offered).
+    tool_id = tok.token_to_id(TOOL_OPEN)
+    hooks = [BannedTokens([tool_id])] if tool_id is not None else []
     out.write(f"chatting with {rt.store.path.name} ({rt.store.manifest.architecture}). {HELP}\n")
     while True:
         try:
@@ -42,7 +46,6 @@ def chat_loop(rt, params: SamplingParams, max_tokens: int, think: bool = False, 
                 out.write(rt.stats_table(per_layer="layers" in cmd) + "\n")
             elif cmd[0] == "/reset":
                 messages = messages[:1] if system else []
-                state, state_tokens = None, []
                 out.write("(new conversation)\n")
             elif cmd[0] == "/think" and len(cmd) == 2 and cmd[1] in ("on", "off"):
                 think = cmd[1] == "on"
@@ -51,15 +54,14 @@ def chat_loop(rt, params: SamplingParams, max_tokens: int, think: bool = False, 
                 out.write(HELP + "\n")
             continue
         messages.append({"role": "user", "content": line})
-        prompt = tok.apply_chat_template(messages, enable_thinking=think, tokenize=True)
-        reuse = state is not None and len(state_tokens) < len(prompt) and prompt[:len(state_tokens)] == state_tokens
-        if not reuse:
-            state, state_tokens = gen.new_state(), []
+        prompt = tok.chat_prompt(messages, thinking=think)
         decoder = tok.incremental_decoder(skip_special_tokens=False)
         produced, text = [], []
         t0 = time.perf_counter()
+        run = gen.start(prompt.ids, params, max_tokens, stop_token_ids=tok.eos_token_ids, hooks=hooks,
+                        checkpoints=prompt.checkpoints)
         try:
-            for token in gen.generate(prompt, params, max_tokens, stop_token_ids=tok.eos_token_ids, state=state):
+            for token in run:
                 produced.append(token)
                 piece = decoder.push(token)
                 text.append(piece)
@@ -70,11 +72,6 @@ def chat_loop(rt, params: SamplingParams, max_tokens: int, think: bool = False, 
         except KeyboardInterrupt:
             out.write(" [stopped]")
         dt = time.perf_counter() - t0
-        out.write(f"\n({len(produced)} tokens, {len(prompt) - len(state_tokens) if reuse else len(prompt)} "
-                  f"prefilled, {dt:.1f} s)\n")
-        # The state now covers the prompt and all generated tokens but the last.
-        state_tokens = prompt + produced[:-1] if produced else list(prompt)
-        if state.num_tokens != len(state_tokens):
-            state, state_tokens = None, []
-        parsed = parse_output("".join(text))
+        out.write(f"\n({len(produced)} tokens, {len(prompt.ids) - run.cached_tokens} prefilled, {dt:.1f} s)\n")
+        parsed = parse_output("".join(text), in_reasoning=prompt.in_think)
         messages.append({"role": "assistant", "content": parsed.content})

@@ -582,3 +582,31 @@ def test_a_huge_prompt_does_not_block_health_or_other_requests(srv):
     print(f"huge prompt: {result['seconds']:.2f} s; slowest /health meanwhile {worst * 1e3:.0f} ms")
     assert result["status"] == 400
     assert worst < max(0.5, result["seconds"] / 3), (worst, result["seconds"])
+
+
+def test_server_greedy_tokens_equal_generators(srv, tiny_runtime):
+    """The server drives the same decode loop: its greedy answer is Generator's, token for token,
+    also while another request is being decoded beside it (interleaved)."""
+    from lean_qwenflash.generate import Generator, SamplingParams
+    from lean_qwenflash.generate.grammar import BannedTokens
+
+    rt, cfg = tiny_runtime
+    tok = rt.tokenizer
+    prompt = tok.encode("Once upon a time there was a disk")
+    greedy = SamplingParams(temperature=0)
+    ref_ids = list(Generator(rt.model).generate(prompt, greedy, 24, tok.eos_token_ids))
+    ref = tok.decode(ref_ids, skip_special_tokens=True)
+    chat_prompt = tok.chat_prompt(USER)
+    no_calls = [BannedTokens([tok.token_to_id("<tool_call>")])]
+    chat_ref = list(Generator(rt.model).generate(chat_prompt.ids, greedy, 24, tok.eos_token_ids, hooks=no_calls))
+    c = srv.client()
+    with ThreadPoolExecutor(2) as pool:
+        side = pool.submit(lambda: c.completions.create(model=MODEL, prompt="disk " * 40, max_tokens=32, temperature=0))
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        chat = c.chat.completions.create(model=MODEL, messages=USER, max_tokens=24, temperature=0,
+                                         reasoning_effort="none")
+        side.result()
+    assert r.choices[0].text == ref and r.usage.completion_tokens == len(ref_ids)
+    assert chat.usage.completion_tokens == len(chat_ref)
+    from lean_qwenflash.chat import parse_output
+    assert chat.choices[0].message.content == parse_output(tok.decode(chat_ref, skip_special_tokens=True)).content

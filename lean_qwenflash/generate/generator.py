@@ -99,8 +99,8 @@ class Generation:
             return
         self._closed = True
         cache = self.generator.prefix_cache
-        if cache is None or not cache.enabled or self.state.tokens is None:
-            return
+        if cache is None or not cache.enabled or self.state.tokens is None or self.finish_reason == "error":
+            return      # (an interrupted step may have left the state half-updated: never keep it)
         if self._boundary is not None:
             cache.put(self._boundary, copy=False)
         if self.prefilled:
