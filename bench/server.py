@@ -1,12 +1,23 @@
-"""Server benchmark: follow-up-turn TTFT with vs without prefix reuse, and client-seen streaming rate.
+"""Server benchmark: prefix reuse, an agent-shaped session, side requests, grammar-mask cost.
 
     python bench/server.py [--model PACK] [--config configs/X.yaml] [--system-tokens 600] [--out FILE]
 
 Runs a real uvicorn on 127.0.0.1 in this process (torch threads = 1) with the official ``openai``
-client. For each of ``--repeats`` conversations (a long system prompt, a first turn, then a
-follow-up turn) it measures the follow-up's time to first streamed token on a server with the
-prefix cache and on one without (same model, ``prefix_cache_bytes=0``). Then one long streamed
-answer compares tokens/s seen by the client with the engine's own decode rate (/metrics).
+client, and measures side by side in one run:
+
+1. follow-up-turn TTFT on a server with the prefix cache and on one without (same model,
+   ``prefix_cache_bytes=0``), over ``--repeats`` conversations (long system prompt, first turn,
+   follow-up);
+2. an agent-shaped session: a system prompt, ``--tools`` tool definitions and 5 turns in which
+   tool calls get tool results back, TTFT per turn with and without prefix reuse;
+3. the side-request wait: a short chat request (an agent's title request) sent while a long answer
+   streams, on ``server.max_active=1`` (first come, first served) and on the configured
+   ``max_active`` (interleaved decoding);
+4. client-seen streaming rate against the engine's own decode rate (/metrics);
+5. the grammar mask: per-token cost of the tool-call grammar (llguidance mask + token advance)
+   against a decode step, in-process on the same model, and the grammar's build time.
+
+Only one server runs a request at a time (they share one model).
 """
 from __future__ import annotations
 
@@ -84,6 +95,144 @@ def _stream_completion(client, model, prompt, max_tokens):
     return ((last - first) if first else 0.0), usage.completion_tokens
 
 
+def _agent_tools(n: int) -> list[dict]:
+    """``n`` tool definitions shaped like a coding agent's (path/command/pattern arguments)."""
+    kinds = [("read_file", {"path": {"type": "string"}, "offset": {"type": "integer"}, "limit": {"type": "integer"}},
+              ["path"]),
+             ("list_files", {"path": {"type": "string"}, "recursive": {"type": "boolean"}}, ["path"]),
+             ("run_command", {"command": {"type": "string"}, "timeout": {"type": "integer"}}, ["command"]),
+             ("search", {"pattern": {"type": "string"}, "path": {"type": "string"},
+                         "mode": {"enum": ["regex", "literal"]}}, ["pattern"]),
+             ("edit_file", {"path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}},
+              ["path", "old", "new"]),
+             ("get_weather", {"city": {"type": "string"}}, ["city"])]
+    tools = []
+    for i in range(n):
+        name, props, req = kinds[i % len(kinds)]
+        name = name if i < len(kinds) else f"{name}_{i}"
+        tools.append({"type": "function", "function": {
+            "name": name, "description": f"{name.replace('_', ' ')}: a tool of the agent",
+            "parameters": {"type": "object", "properties": props, "required": req}}})
+    return tools
+
+
+def _agent_turn(client, model, messages, tools, max_tokens):
+    """One streamed agent turn: (ttft_s to the first delta of any kind, cached tokens, assistant
+    message dict, tool calls)."""
+    from lean_qwenflash.server.output import ChatMessage
+
+    t0 = time.perf_counter()
+    first = None
+    msg = ChatMessage()
+    usage = None
+    for chunk in client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=max_tokens,
+                                                stream=True, temperature=0, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            d = ch.delta.model_dump(exclude_none=True)
+            if d.get("content") or d.get("reasoning_content") or d.get("tool_calls"):
+                first = first or time.perf_counter()
+            msg.add(d)
+    out = msg.to_dict()
+    return (first or time.perf_counter()) - t0, usage.prompt_tokens_details.cached_tokens, out, out.get("tool_calls")
+
+
+def agent_session(client, model, system_words: int, tools: list[dict], turns: int = 5):
+    """TTFT and cached tokens per turn of a deterministic agent session (greedy)."""
+    words = "repository module function test build config cache server client token".split()
+    messages = [{"role": "system", "content": "You are a coding agent. " + " ".join(
+        words[i % len(words)] for i in range(system_words))},
+        {"role": "user", "content": "What's the weather like in Paris?"}]
+    followups = ["List the files in the config directory.", "Show me lines 10 to 20 of setup.py",
+                 "Run the tests", "Find where the tokenizer is defined", "Thanks."]
+    rows = []
+    for turn in range(turns):
+        ttft, cached, message, calls = _agent_turn(client, model, messages, tools, 48)
+        rows.append({"turn": turn + 1, "ttft_s": ttft, "cached_tokens": cached, "tool_calls": len(calls or [])})
+        messages.append({k: v for k, v in message.items() if k != "reasoning_content"})
+        for call in calls or []:
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"ok": True, "lines": [
+                "alpha", "beta", "gamma"]})})
+        if not calls:
+            messages.append({"role": "user", "content": followups[turn % len(followups)]})
+    return rows
+
+
+def side_request_wait(client, model, main_tokens: int):
+    """(side request latency s, its TTFT s, main request total s): a title request sent once a
+    long completion has started streaming."""
+    result = {}
+    started = threading.Event()
+
+    def main_request():
+        t0 = time.perf_counter()
+        for chunk in client.completions.create(model=model, prompt="import os\nimport sys\n\n\ndef ",
+                                               max_tokens=main_tokens, stream=True, temperature=0):
+            if any(c.text for c in chunk.choices):
+                started.set()
+        result["main_s"] = time.perf_counter() - t0
+
+    thread = threading.Thread(target=main_request)
+    thread.start()
+    started.wait(120)
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    first = None
+    for chunk in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Generate a short title for this conversation."}],
+            max_tokens=16, stream=True, temperature=0):
+        if any(c.delta.content for c in chunk.choices):
+            first = first or time.perf_counter()
+    side = time.perf_counter() - t0
+    thread.join()
+    return side, (first or time.perf_counter()) - t0, result["main_s"]
+
+
+def grammar_cost(rt, tools: list[dict], tokens: int):
+    """Per-token cost of the tool-call grammar next to a decode step, in-process (greedy)."""
+    from lean_qwenflash.chat.constrain import answer_grammar
+    from lean_qwenflash.generate import Generator, SamplingParams
+    from lean_qwenflash.generate.grammar import GrammarHook
+
+    class Timed(GrammarHook):
+        spent = 0.0
+
+        def mask(self, logits):
+            t = time.perf_counter()
+            out = super().mask(logits)
+            Timed.spent += time.perf_counter() - t
+            return out
+
+        def observe(self, token_id):
+            t = time.perf_counter()
+            super().observe(token_id)
+            Timed.spent += time.perf_counter() - t
+
+    tok = rt.tokenizer
+    gen = Generator(rt.model)
+    prompt = tok.chat_prompt([{"role": "user", "content": "Write a long story about a disk."}], tools=tools).ids
+    t = time.perf_counter()
+    lark = answer_grammar(tok, tools, "auto", True, None)
+    hook = Timed(tok, gen.vocab_size, lark)
+    build_s = time.perf_counter() - t
+    greedy = SamplingParams(temperature=0)
+    timings = {}
+    for name, hooks in (("plain", []), ("grammar", [hook])):
+        run = gen.start(prompt, greedy, tokens, hooks=hooks)
+        run.step()                        # prefill + first token
+        Timed.spent = 0.0
+        t = time.perf_counter()
+        while not run.done:
+            run.step()
+        timings[name] = ((time.perf_counter() - t) / max(run.num_generated - 1, 1), run.num_generated)
+    mask_s = Timed.spent / max(timings["grammar"][1] - 1, 1)
+    return {"build_ms": build_s * 1e3, "mask_us_per_token": mask_s * 1e6,
+            "step_ms_plain": timings["plain"][0] * 1e3, "step_ms_grammar": timings["grammar"][0] * 1e3,
+            "tokens": [timings["plain"][1], timings["grammar"][1]],
+            "mask_over_step": mask_s / timings["plain"][0]}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="pack directory (default: the built-in default model)")
@@ -91,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--system-tokens", type=int, default=600, help="approximate length of the shared system prompt")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=200, help="length of the streamed answer for the rate")
+    ap.add_argument("--tools", type=int, default=12, help="tool definitions in the agent session")
+    ap.add_argument("--main-tokens", type=int, default=300, help="length of the long answer beside a side request")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "server.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -108,8 +259,10 @@ def main(argv=None) -> int:
     rt = Runtime.open(cfg)
     no_cache = copy.deepcopy(cfg)
     no_cache.server.prefix_cache_bytes = 0
+    fifo = copy.deepcopy(cfg)
+    fifo.server.max_active = 1
     servers = {name: _serve(create_app(rt, c, model_name="bench")) for name, c in
-               (("reuse", cfg), ("no_reuse", no_cache))}
+               (("reuse", cfg), ("no_reuse", no_cache), ("fifo", fifo))}
     clients = {name: openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
                for name, (_, _, url) in servers.items()}
     words = "storage bandwidth latency experts router cache prefetch token layer".split()
@@ -118,7 +271,8 @@ def main(argv=None) -> int:
     prompt_tokens = []
     try:
         for rep in range(args.repeats):
-            for name, client in clients.items():
+            for name in ("reuse", "no_reuse"):
+                client = clients[name]
                 # A distinct system prompt per conversation and server: no hit from an earlier one.
                 system = f"Conversation {rep}-{name}. " + " ".join(words[i % len(words)]
                                                                    for i in range(args.system_tokens))
@@ -140,6 +294,12 @@ def main(argv=None) -> int:
         engine_rate = (_metric(url, "lqf_decode_tokens_total") - d_tok0) / max(
             _metric(url, "lqf_decode_seconds_total") - d_s0, 1e-9)
         client_rate = (n - 1) / span_s if span_s > 0 else 0.0
+
+        tools = _agent_tools(args.tools)
+        agent = {name: agent_session(clients[name], "bench", args.system_tokens, tools)
+                 for name in ("reuse", "no_reuse")}
+        side = {name: side_request_wait(clients[name], "bench", args.main_tokens) for name in ("fifo", "reuse")}
+        grammar = grammar_cost(rt, tools, 128)
     finally:
         for server, thread, _ in servers.values():
             server.should_exit = True
@@ -154,6 +314,9 @@ def main(argv=None) -> int:
         "followup_ttft_s": med, "ttft_ratio_no_reuse_over_reuse": med["no_reuse"] / med["reuse"],
         "stream_tokens": n, "client_tokens_per_s": client_rate, "engine_tokens_per_s": engine_rate,
         "client_over_engine": client_rate / engine_rate if engine_rate else 0.0,
+        "agent_session": agent, "side_request": {
+            name: {"side_s": v[0], "side_ttft_s": v[1], "main_s": v[2]} for name, v in side.items()},
+        "max_active": cfg.server.max_active, "grammar": grammar,
     }
     rows = [("follow-up prompt tokens", f"{result['followup_prompt_tokens']:.0f}"),
             ("cached tokens (reuse / no reuse)", f"{result['followup_cached_tokens']['reuse']:.0f} / "
@@ -165,6 +328,19 @@ def main(argv=None) -> int:
             ("client-seen tokens/s", f"{client_rate:.1f}"),
             ("engine tokens/s", f"{engine_rate:.1f}"),
             ("client / engine", f"{result['client_over_engine'] * 100:.1f}%")]
+    rows += [(f"agent turn {a['turn']} TTFT reuse / none (cached)",
+              f"{a['ttft_s'] * 1000:.1f} / {b['ttft_s'] * 1000:.1f} ms ({a['cached_tokens']} / {b['cached_tokens']}),"
+              f" {b['ttft_s'] / a['ttft_s']:.2f}x") for a, b in zip(agent["reuse"], agent["no_reuse"])]
+    f_side, i_side = result["side_request"]["fifo"], result["side_request"]["reuse"]
+    rows += [("side request: max_active=1 (FIFO)", f"{f_side['side_s'] * 1000:.0f} ms total, "
+                                                  f"TTFT {f_side['side_ttft_s'] * 1000:.0f} ms; main {f_side['main_s']:.2f} s"),
+             (f"side request: max_active={cfg.server.max_active}", f"{i_side['side_s'] * 1000:.0f} ms total, "
+                                                  f"TTFT {i_side['side_ttft_s'] * 1000:.0f} ms; main {i_side['main_s']:.2f} s"),
+             ("side request wait ratio (FIFO / interleaved)", f"{f_side['side_s'] / i_side['side_s']:.1f}x"),
+             (f"grammar build ({args.tools} tools)", f"{grammar['build_ms']:.1f} ms"),
+             ("grammar mask + advance per token", f"{grammar['mask_us_per_token']:.0f} us"),
+             ("decode step plain / with grammar", f"{grammar['step_ms_plain']:.2f} / {grammar['step_ms_grammar']:.2f} ms"),
+             ("mask / decode step", f"{grammar['mask_over_step'] * 100:.1f}%")]
     width = max(len(r[0]) for r in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

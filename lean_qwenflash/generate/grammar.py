@@ -15,6 +15,7 @@ import json
 import logging
 from typing import Callable, Iterable, Optional
 
+import numpy as np
 import torch
 
 from lean_qwenflash.generate.generator import TokenHook
@@ -119,8 +120,8 @@ class GrammarHook(TokenHook):
         self.gate = gate
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
-        self._bits = torch.zeros(self.words, dtype=torch.int32)
-        self._shifts = torch.arange(32, dtype=torch.int32)
+        self._bits = np.zeros(self.words, dtype=np.int32)
+        self._neg_inf = None
         self.device = device
         self.masked_tokens = 0            # tokens sampled under the mask (for stats)
 
@@ -135,9 +136,9 @@ class GrammarHook(TokenHook):
 
     def allowed(self) -> torch.Tensor:
         """bool [vocab_size]: the tokens the grammar allows next."""
-        self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self.words * 4)
-        bits = (self._bits.unsqueeze(1) >> self._shifts) & 1
-        return bits.view(-1)[:self.vocab_size].bool()
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self.words * 4)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
+        return torch.from_numpy(bits.view(np.bool_))
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.active:
@@ -145,8 +146,10 @@ class GrammarHook(TokenHook):
         if self.matcher.is_error():
             raise GrammarError(f"grammar matcher failed: {self.matcher.get_error()}")
         self.masked_tokens += 1
-        allowed = self.allowed().to(logits.device)
-        return logits.masked_fill(~allowed[:logits.shape[-1]], float("-inf"))
+        allowed = self.allowed().to(logits.device)[:logits.shape[-1]]
+        if self._neg_inf is None or self._neg_inf.shape != logits.shape or self._neg_inf.device != logits.device:
+            self._neg_inf = torch.full_like(logits, float("-inf"))
+        return torch.where(allowed, logits, self._neg_inf.to(logits.dtype))
 
     def observe(self, token_id: int) -> None:
         if not self.active:
