@@ -83,7 +83,7 @@ setup(
         "llguidance>=1.0",     # grammar-constrained tool calls and JSON answers (server)
     ],
     extras_require={
-        "dev": ["pytest>=7", "gguf>=0.17", "llama-cpp-python>=0.3.30", "transformers>=5.0", "openai>=1.30", "anthropic>=0.42", "httpx>=0.27", "jsonschema>=4", "schemathesis>=3.30"],
+        "dev": ["pytest>=7", "gguf>=0.17", "llama-cpp-python>=0.3.30", "transformers>=5.0", "openai>=1.30", "anthropic>=0.42", "httpx>=0.27", "jsonschema>=4", "schemathesis>=3.30", "litellm>=1.50"],
         "cuda": ["flash-linear-attention", "causal-conv1d", "flash-attn"],
         "exl3": ["exllamav3"],
     },
