@@ -191,7 +191,7 @@ def side_request_wait(client, model, main_tokens: int):
 
 def grammar_cost(rt, tools: list[dict], tokens: int):
     """Per-token cost of the tool-call grammar next to a decode step, in-process (greedy)."""
-    from lean_qwenflash.chat.constrain import answer_grammar
+    from lean_qwenflash.server.constrain import answer_grammar
     from lean_qwenflash.generate import Generator, SamplingParams
     from lean_qwenflash.generate.grammar import GrammarHook
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from lean_qwenflash.chat import Tokenizer, parse_output  # noqa: E402
-from lean_qwenflash.chat.constrain import answer_grammar  # noqa: E402
+from lean_qwenflash.server.constrain import answer_grammar  # noqa: E402
 from lean_qwenflash.generate.grammar import BannedTokens, GrammarError, GrammarHook  # noqa: E402
 from lean_qwenflash.runtime import DEFAULT_MODEL_DIR  # noqa: E402
 

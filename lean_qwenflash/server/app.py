@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lean_qwenflash.chat import TemplateError
-from lean_qwenflash.chat.constrain import answer_grammar
+from lean_qwenflash.server.constrain import answer_grammar
 from lean_qwenflash.chat.parse import TOOL_OPEN
 from lean_qwenflash.generate import SamplingParams
 from lean_qwenflash.generate.grammar import BannedTokens, GrammarError, GrammarHook, grammar_tokenizer

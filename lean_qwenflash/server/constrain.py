@@ -1,5 +1,8 @@
 """The grammar of an assistant answer, from the request: which tools may be called, and how.
 
+(Server-side: it reads request semantics — tool_choice, response_format — and joins the chat
+format of ``chat/parse.py`` with the grammar engine of ``generate/grammar.py``.)
+
 The answer (what follows the think block) is written in the tool-call format of ``parse.py``:
 free text and/or ``<tool_call>{"name": NAME, "arguments": ARGS}</tool_call>`` blocks. This module
 turns the offered tools, ``tool_choice``, ``parallel_tool_calls`` and ``response_format`` into a
