@@ -14,7 +14,6 @@ from .config import ConfigError, RuntimeConfig, load_config
 from .experts.provider import ResidentExperts
 from .experts.tiered import TieredExperts
 from .store import ExpertStore
-from .store import naming
 from .store.checkpoint import TORCH_DTYPES
 from .quant.floats import DTYPE_NAME
 
@@ -32,17 +31,6 @@ def sampling_params(gen_cfg, **overrides) -> "SamplingParams":
     values = {k: getattr(gen_cfg, k) for k in fields}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return SamplingParams(**values)
-
-
-def router_weights(resident: dict, config: dict) -> dict:
-    """{layer_idx: router weight [E, H]} for every MoE layer, from the resident tensors."""
-    names = naming.arch_names(config)
-    out = {}
-    for layer in naming.moe_layer_indices(config):
-        key = f"model.layers.{layer}.{names.moe_module}.gate.weight"
-        if key in resident:
-            out[layer] = resident[key]
-    return out
 
 
 def default_pack(cache_root: Optional[Path] = None) -> Path:
@@ -97,17 +85,20 @@ class Runtime:
                               f"{cfg.dtype}; set dtype to {sorted(expert_dtypes)[0]} (or re-pack with --dtype {cfg.dtype})")
         device = torch.device(cfg.device)
         resident = store.load_resident(device=device, dtype=dtype)
-        _, top_k, _, _ = naming.expert_dims(config) if store.manifest.layers else (0, 1, 0, 0)
+        from .families import moe_facts
+        top_k = moe_facts(config).top_k if store.manifest.layers else 1
         if resident_experts:
             provider = store.load_all_experts()
             if device.type != "cpu":
                 provider = provider.to(device=device)
         else:
             provider = TieredExperts(
-                store, host_cache_bytes=cfg.host_cache_bytes, top_k=top_k, routers=router_weights(resident, config),
+                store, host_cache_bytes=cfg.host_cache_bytes, top_k=top_k,
                 device=device, device_cache_bytes=cfg.device_cache_bytes, prefetch=cfg.prefetch,
                 prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
         model = build_model(config, resident, provider, dtype=dtype, device=device)
+        if isinstance(provider, TieredExperts):
+            provider.set_predictors(model.expert_predictors())     # prefetch with the family's routing rule
         model.set_expert_kernels(cfg.expert_kernels, cfg.cpu_isa)
         if device.type == "cpu" and cfg.expert_kernels == "fast":
             # Decode: the native kernels take every core; torch's small per-token ops run on one
@@ -143,4 +134,4 @@ class Runtime:
         self.close()
 
 
-__all__ = ["Runtime", "ResidentExperts", "router_weights", "sampling_params", "DEFAULT_MODEL_DIR"]
+__all__ = ["Runtime", "ResidentExperts", "sampling_params", "DEFAULT_MODEL_DIR"]

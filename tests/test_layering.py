@@ -1,4 +1,5 @@
-"""Imports point one way: cli/server -> runtime -> generate -> models -> experts -> io, store beside.
+"""Imports point one way: cli/server -> runtime -> generate -> models -> experts -> io, store beside;
+families (one file per model family) declare to both the store (key layout) and models (build).
 
 Models never see files (they get weights from an ExpertProvider); the store and the caches never
 see models; nothing below the CLI and the server knows about them.
@@ -18,6 +19,9 @@ FORBIDDEN = {
                "server", "cli", "chat", "config"},
     "generate": {"io_engine", "store", "experts.tiered", "runtime", "server", "cli", "chat", "config"},
     "chat": {"io_engine", "store", "experts", "models", "generate", "runtime", "server", "cli"},
+    # A family file builds its model from models/ and declares its key layout for the store.
+    "families": {"io_engine", "store.reader", "store.packer", "experts.tiered", "experts.cache", "runtime",
+                 "server", "cli", "chat", "generate", "config"},
     "runtime": {"server", "cli"},
     "server": {"cli"},
 }

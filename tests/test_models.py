@@ -13,6 +13,7 @@ import hf_models
 from lean_qwenflash.experts.provider import ExpertProvider, ExpertWeights, ResidentExperts
 from lean_qwenflash.generate import Generator, SamplingParams, new_state
 from lean_qwenflash.models import CheckpointError, build_model, kernels, load_hf_checkpoint, supported_architectures
+from lean_qwenflash.families import family_for, moe_facts
 from lean_qwenflash.store import naming
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -61,7 +62,7 @@ def test_stacked_layout_loads_identically(loaded):
 
 def test_resident_keys_equal_checkpoint_keys(loaded):
     c, model, _ = loaded
-    names = naming.arch_names(c.config)
+    names = family_for(c.config).layout
     with safe_open(os.path.join(c.path, "model.safetensors"), "pt") as f:
         on_disk = {k for k in f.keys() if naming.parse_expert_key(names, k) is None}
     assert set(model.state_dict()) == on_disk
@@ -108,7 +109,7 @@ class SlotProvider(ExpertProvider):
 def test_slot_provider_bit_identical_and_protocol(family):
     c = hf_models.case(family)
     model, resident = load_hf_checkpoint(c.path)
-    moe_layers = naming.moe_layer_indices(c.config)
+    moe_layers = list(moe_facts(c.config).moe_layers)
     for ids in (c.prompt, c.prompt[:, :1]):
         expected = model(ids)
         slots = SlotProvider(resident)
@@ -238,7 +239,7 @@ def test_qwen3_next_ignores_mtp_weights(tmp_path):
 
 
 def test_qwen3_next_layer_types_from_interval_when_absent():
-    from lean_qwenflash.models.qwen3_next import layer_types
+    from lean_qwenflash.families.qwen3_next import layer_types
 
     assert layer_types({"num_hidden_layers": 6, "full_attention_interval": 3}) == [
         "linear_attention", "linear_attention", "full_attention"] * 2

@@ -18,7 +18,7 @@ from lean_qwenflash import io_engine
 from lean_qwenflash.io_engine import AlignedBuffer, IoError
 from lean_qwenflash.store import ChecksumError, ExpertStore, StoreError, pack
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
-from lean_qwenflash.store.naming import UnsupportedArchitecture
+from lean_qwenflash.families import UnsupportedArchitecture
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from lean_qwenflash.config import ConfigError, load_config
 from lean_qwenflash.experts.tiered import TieredExperts
 from lean_qwenflash.generate.generator import Generator
 from lean_qwenflash.generate.sampling import SamplingParams
-from lean_qwenflash.runtime import Runtime, router_weights
+from lean_qwenflash.runtime import Runtime
 from lean_qwenflash.store import ExpertStore, pack
 
 hf_models = pytest.importorskip("hf_models")
@@ -61,8 +61,7 @@ def test_streamed_equals_resident_bit_for_bit(family, packs):
         rt = Runtime.open(cfg)
         if device_tier:  # the same two-tier code that runs on CUDA, with the "device" on the CPU
             rt.provider.close()
-            rt.provider = TieredExperts(rt.store, budgets[budget], top_k,
-                                        routers=router_weights(rt.store.load_resident(), rt.store.config),
+            rt.provider = TieredExperts(rt.store, budgets[budget], top_k, predictors=rt.model.expert_predictors(),
                                         device="cpu", device_cache_bytes=budgets["minimum"], prefetch=prefetch)
             rt.model.set_expert_provider(rt.provider)
         label = f"{family} budget={budget} prefetch={prefetch} engine={engine} device_tier={device_tier}"
@@ -102,8 +101,10 @@ def test_eviction_stress_never_serves_wrong_expert(packs):
         resident = store.load_resident()
         slot = store.max_record_bytes
         top_k = 2
-        tiers = TieredExperts(store, host_cache_bytes=(top_k + 1) * slot, top_k=top_k,
-                              routers=router_weights(resident, store.config),
+        # A plain linear top-n rule over the stored routers stands in for the model's (no model here).
+        predictors = {l: (lambda w: lambda h, n: torch.topk(h @ w.T, n, dim=-1).indices)(
+            resident[f"model.layers.{l}.mlp.gate.weight"]) for l in store.moe_layers}
+        tiers = TieredExperts(store, host_cache_bytes=(top_k + 1) * slot, top_k=top_k, predictors=predictors,
                               device_cache_bytes=(top_k * slot if device_bytes is None else 0), prefetch=True,
                               prefetch_lookahead=2, prefetch_extra=1)
         rng = random.Random(7)

@@ -34,7 +34,7 @@ from .stats import TierStats
 
 
 class TieredExperts(ExpertProvider):
-    def __init__(self, store, host_cache_bytes: int, top_k: int, routers: Optional[dict] = None,
+    def __init__(self, store, host_cache_bytes: int, top_k: int, predictors: Optional[dict] = None,
                  device: str | torch.device = "cpu", device_cache_bytes: int = 0, prefetch: bool = True,
                  prefetch_lookahead: int = 1, prefetch_extra: int = 0, max_speculative: Optional[int] = None):
         self.store = store
@@ -83,8 +83,10 @@ class TieredExperts(ExpertProvider):
         elif self.device.type != "cpu":
             raise ConfigError("device_cache_bytes: a GPU device needs a device expert cache (> 0)")
 
-        self.routers = routers or {}
-        self.prefetch = prefetch and bool(self.routers)
+        self.prefetch = prefetch
+        self.predictors: dict = {}
+        if predictors is not None:
+            self.set_predictors(predictors)
         self.prefetch_lookahead = prefetch_lookahead
         self.prefetch_extra = prefetch_extra
         self._hidden: dict[int, torch.Tensor] = {}
@@ -286,15 +288,23 @@ class TieredExperts(ExpertProvider):
             cache.unpin(s)
 
     # -- prefetch -------------------------------------------------------------------------------
+    def set_predictors(self, predictors: dict) -> None:
+        """{layer: predict(hidden [N, H], n) -> expert ids [N, n]}: each sparse layer's routing rule
+        (the model's routers, ``Router.predict``), applied to a stale input to guess its experts.
+        With prefetch on, every sparse layer but the first needs one: a family that cannot predict
+        is an error here, not a silently disabled prefetch."""
+        missing = [l for l in self.layers[1:] if l not in predictors]
+        if self.prefetch and missing:
+            raise ConfigError(f"prefetch: the model cannot predict the experts of layers {missing[:8]} "
+                              "(no routing rule for them); set prefetch: false")
+        self.predictors = dict(predictors)
+
     def _predict(self, layer_idx: int, hidden: torch.Tensor) -> list[int]:
-        w = self.routers[layer_idx]
-        logits = torch.nn.functional.linear(hidden.to(w.dtype), w)
-        k = min(self.top_k + self.prefetch_extra, logits.shape[-1])
-        top = torch.topk(logits, k, dim=-1).indices
+        top = self.predictors[layer_idx](hidden, self.top_k + self.prefetch_extra)
         if top.shape[0] == 1:
             return top[0].tolist()
         # Many tokens (prefill): the experts picked by the most tokens first.
-        counts = torch.bincount(top.flatten(), minlength=logits.shape[-1])
+        counts = torch.bincount(top.flatten(), minlength=self.store.layer(layer_idx).num_experts)
         order = torch.argsort(counts, descending=True, stable=True)
         return [int(e) for e in order[: int((counts > 0).sum())]]
 
@@ -309,7 +319,7 @@ class TieredExperts(ExpertProvider):
         if hidden is None:
             return
         for nxt in self._next_layers[layer_idx][: self.prefetch_lookahead]:
-            if nxt not in self.routers:
+            if nxt not in self.predictors:
                 continue
             for e in self._predict(nxt, hidden):
                 key = (nxt, e)

@@ -65,6 +65,11 @@ class CausalLM(nn.Module):
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
 
+    def expert_predictors(self) -> dict:
+        """{layer: predict(hidden, n) -> expert ids [N, n]}: each sparse block's own routing rule,
+        for a prefetcher that guesses a layer's experts from an earlier layer's input."""
+        return {block.layer_idx: block.router.predict for block in self.moe_blocks()}
+
     def set_expert_provider(self, provider) -> None:
         """Route every sparse block's expert requests to ``provider`` (resident or streaming)."""
         for block in self.moe_blocks():

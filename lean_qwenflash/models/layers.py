@@ -402,37 +402,91 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     return out
 
 
+class Router(Linear):
+    """A router: the linear layer of expert logits (HF keys ``{block}.{name}.weight`` [E, H], and
+    ``.bias`` when it has one) plus the rule that picks experts. Subclasses own the rule.
+
+    ``route(x)`` -> (weights [N, k], indices [N, k]) is what the block computes; ``predict(x, n)`` ->
+    indices [N, n] ranks experts by the same rule (the first k are exactly ``route``'s), which the
+    prefetcher applies to a stale layer input to guess the next layer's experts.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, bias: bool = False):
+        super().__init__(hidden_size, num_experts, bias=bias)
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in 1..num_experts={num_experts}")
+        self.num_experts, self.top_k = num_experts, top_k
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def selection_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, E]: larger = chosen first (experts the rule cannot choose are -inf)."""
+        return self(x).float()
+
+    def predict(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        scores = self.selection_scores(x)
+        return torch.topk(scores, min(n, scores.shape[-1]), dim=-1).indices
+
+
+class SoftmaxRouter(Router):
+    """Softmax over all experts, top-k, optionally renormalised (Qwen3-MoE, Qwen3-Next, Mixtral, OLMoE)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__(hidden_size, num_experts, top_k)
+        self.norm_topk_prob = norm_topk_prob
+
+    def route(self, x):
+        probs = F.softmax(self(x), dim=-1, dtype=torch.float32)
+        weights, indices = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, indices
+
+
 class SparseMoeBlock(nn.Module):
-    """Softmax top-k router over routed experts served by a provider, plus an optional
-    sigmoid-gated shared expert (Qwen3-Next). ``gate`` is the router (HF name)."""
+    """Routed experts served by a provider, chosen by ``router`` (HF attribute ``router_name``), plus
+    an optional shared expert: sigmoid-gated (Qwen3-Next: ``shared_expert`` + ``shared_expert_gate``)
+    or plain (``shared_experts``, DeepSeek / GLM style, when ``shared_gated`` is False)."""
 
     # Routed-expert math (kernels.experts_decode): "fast" or "exact", and the native ISA to use.
     # Class-level defaults; CausalLM.set_expert_kernels sets them per block.
     expert_kernels = "fast"
     kernel_isa = "auto"
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 layer_idx: int, shared_intermediate_size: int = 0):
+    def __init__(self, router: Router, layer_idx: int, hidden_size: int, shared_intermediate_size: int = 0,
+                 router_name: str = "gate", shared_gated: bool = True):
         super().__init__()
-        self.layer_idx, self.top_k, self.norm_topk_prob = layer_idx, top_k, norm_topk_prob
-        self.gate = Linear(hidden_size, num_experts, bias=False)
-        if shared_intermediate_size:
+        self.layer_idx = layer_idx
+        setattr(self, router_name, router)
+        if router_name != "router":
+            object.__setattr__(self, "router", router)     # an unregistered alias: no duplicate keys
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size and shared_gated:
             self.shared_expert = MLP(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = None
+        elif shared_intermediate_size:
+            self.shared_experts = MLP(hidden_size, shared_intermediate_size)
+            object.__setattr__(self, "shared_expert", self.shared_experts)
         self.provider = None    # set by the model; not a submodule, owns no weights
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router.route(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         self.provider.layer_input(self.layer_idx, flat)
-        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
-        weights, indices = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, indices = self.router.route(flat)
         out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx,
                              self.expert_kernels, self.kernel_isa)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.view(shape)

@@ -1,12 +1,11 @@
-"""Registry of supported architectures, model construction from resident tensors, HF checkpoint loading.
+"""Model construction from resident tensors, and HF checkpoint loading.
 
 Resident tensors (everything but routed experts) become the model's parameters under their HF
-names; routed experts go to an ``ExpertProvider``. Names and layouts come from
-``lean_qwenflash.store.naming`` so the packer and this loader agree on every key.
+names; routed experts go to an ``ExpertProvider``. The family (``lean_qwenflash.families``) builds
+the model and declares the key layout the packer uses too, so both agree on every key.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Mapping, Union
 
 import torch
@@ -18,13 +17,14 @@ from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
 def supported_architectures() -> list[str]:
-    return sorted(naming.ARCHITECTURES)
+    from lean_qwenflash.families import supported_architectures
+    return supported_architectures()
 
 
-def family_module(config: dict):
-    """The family module (with ``build(config) -> CausalLM``) for an HF config dict; the family
-    comes from ``naming``, as for the packer, so both accept the same configs."""
-    return importlib.import_module(f"lean_qwenflash.models.{naming.arch_names(config).family}")
+def family_of(config: dict):
+    """The ``Family`` of an HF config dict (the packer asks the same registry)."""
+    from lean_qwenflash.families import family_for     # (the families import this package's layers)
+    return family_for(config)
 
 
 def _names_list(names, limit: int = 20) -> str:
@@ -38,7 +38,7 @@ def check_resident(config: dict, shapes: Mapping[str, tuple]):
     shape of every resident tensor) are exactly its parameters; CheckpointError names the
     missing, unexpected and misshapen tensors."""
     with torch.device("meta"):
-        model = family_module(config).build(config)
+        model = family_of(config).build(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = expected.keys() - shapes.keys()
     unexpected = shapes.keys() - expected.keys()
@@ -63,9 +63,9 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     every model parameter must be present with the right shape, and nothing else. Routed-expert
     weights are never part of it: the model's sparse blocks ask ``provider``.
     """
-    names = naming.arch_names(config)
-    tensors = {naming.canonical_resident_key(names, k): v for k, v in resident_tensors.items()
-               if not k.startswith(names.ignored_prefixes)}
+    names = family_of(config).layout
+    tensors = {naming.canonical_resident_key(names, naming.rename_key(names, k)): v
+               for k, v in resident_tensors.items() if not naming.rename_key(names, k).startswith(names.ignored_prefixes)}
     model = check_resident(config, {k: tuple(v.shape) for k, v in tensors.items()})
     expected = {k: v.shape for k, v in model.state_dict().items()}
     # Block-quantized resident matrices (pack --quant) replace their Linear's float parameter.
@@ -94,10 +94,9 @@ def load_hf_checkpoint(hf_dir: str, dtype: torch.dtype = torch.float32,
     saved per expert or stacked [E, ...], problems reported by tensor name.
     """
     ckpt = HFCheckpoint(hf_dir)
-    family_module(ckpt.config)    # unsupported architectures fail before any tensor is read
     ckpt.check_experts()
     resident = {canon: ckpt.get(key) for canon, key in ckpt.resident_keys.items()}
-    num_experts = naming.num_experts(ckpt.config) if ckpt.moe_layers() else 0
+    num_experts = ckpt.expert_dims()[0] if ckpt.moe_layers() else 0
     layers = {layer: [aligned_record(*(t.to(device=device, dtype=dtype) for t in ckpt.expert(layer, e)))
                       for e in range(num_experts)]
               for layer in ckpt.moe_layers()}

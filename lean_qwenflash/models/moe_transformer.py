@@ -1,37 +1,36 @@
 """The plain attention + sparse-MoE decoder that Qwen3-MoE, Mixtral and OLMoE share; the family
-files only say how they differ (q/k norms, router normalisation, HF module names)."""
+files (``lean_qwenflash/families/``) only say how they differ (q/k norms, router normalisation,
+HF module names)."""
 from __future__ import annotations
 
 from typing import Optional
 
 from lean_qwenflash.models.base import (CausalLM, DecoderLayer, attention_head_dim, config_value,
                                         rotary_from_config)
-from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SparseMoeBlock
-from lean_qwenflash.store.naming import arch_names, expert_dims, moe_layer_indices
+from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SoftmaxRouter, SparseMoeBlock
 
 
-def build_moe_transformer(config: dict, *, qk_norm: Optional[str], norm_topk_prob: bool,
+def build_moe_transformer(config: dict, facts, moe_module: str, *, qk_norm: Optional[str], norm_topk_prob: bool,
                           clip_qkv: Optional[float] = None) -> CausalLM:
-    names = arch_names(config)
-    hidden = int(config_value(config, "hidden_size"))
+    """``facts``: the family's ``MoEFacts`` (sparse layers, expert sizes); ``moe_module``: the HF
+    name of the sparse block."""
+    hidden = facts.hidden_size
     eps = float(config.get("rms_norm_eps", 1e-6))
     head_dim = attention_head_dim(config)
     if config.get("sliding_window") and config.get("use_sliding_window", True) \
             and int(config["sliding_window"]) < int(config.get("max_position_embeddings", 0)):
         raise NotImplementedError(f"sliding_window={config['sliding_window']} attention is not supported yet")
-    moe_layers = set(moe_layer_indices(config))
-    num_layers = int(config_value(config, "num_hidden_layers"))
-    num_experts, top_k = expert_dims(config)[:2]
+    moe_layers = set(facts.moe_layers)
     layers = []
-    for layer_idx in range(num_layers):
+    for layer_idx in range(facts.num_layers):
         attn = Attention(hidden, int(config_value(config, "num_attention_heads")),
                          int(config_value(config, "num_key_value_heads")), head_dim, norm_eps=eps,
                          bias=bool(config.get("attention_bias", False)), qk_norm=qk_norm, clip_qkv=clip_qkv)
         if layer_idx in moe_layers:
-            mlp = SparseMoeBlock(hidden, num_experts, top_k, norm_topk_prob, layer_idx)
+            mlp = SparseMoeBlock(SoftmaxRouter(hidden, facts.num_experts, facts.top_k, norm_topk_prob), layer_idx, hidden)
         else:
             mlp = MLP(hidden, int(config_value(config, "intermediate_size")))
-        layers.append(DecoderLayer("self_attn", attn, names.moe_module if layer_idx in moe_layers else "mlp", mlp,
+        layers.append(DecoderLayer("self_attn", attn, moe_module if layer_idx in moe_layers else "mlp", mlp,
                                    RMSNorm(hidden, eps), RMSNorm(hidden, eps)))
-    types = ["full_attention"] * num_layers
+    types = ["full_attention"] * facts.num_layers
     return CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))

@@ -44,11 +44,20 @@ class ConfigExperts:
     # True for a GGUF file: tensors come encoded (expert_raw, get_encoded), the tokenizer from its metadata
     is_gguf = False
 
+    @property
+    def architecture(self) -> str:
+        """The config's architecture string that named the family."""
+        family = _family_for(self.config)
+        return next((a for a in self.config.get("architectures") or [] if a in family.architectures),
+                    family.architectures[0])
+
     def moe_layers(self) -> list[int]:
-        return naming.moe_layer_indices(self.config)
+        return list(_family_for(self.config).facts(self.config).moe_layers)
 
     def expert_dims(self) -> tuple[int, int, int, int]:
-        return naming.expert_dims(self.config)
+        """(num_experts, top_k, hidden_size, expert_intermediate_size)."""
+        f = _family_for(self.config).facts(self.config)
+        return f.num_experts, f.top_k, f.hidden_size, f.expert_intermediate
 
 
 class HFCheckpoint(ConfigExperts):
@@ -63,12 +72,14 @@ class HFCheckpoint(ConfigExperts):
             self.config = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
-        self.names = naming.arch_names(self.config)
+        self.family = _family_for(self.config)
+        self.names = self.family.layout
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{self.path} has no .safetensors files (other weight formats are not supported)")
         self._handles = {}
-        self.key_shard: dict[str, Path] = {}
+        self.key_shard: dict[str, Path] = {}           # name (after the family's renames) -> shard
+        self.file_key: dict[str, str] = {}             # name -> the key in the file
         for shard in shards:
             try:
                 h = safe_open(str(shard), framework="pt")
@@ -76,9 +87,11 @@ class HFCheckpoint(ConfigExperts):
                 raise CheckpointError(f"cannot read {shard}: {e}") from None
             self._handles[shard] = h
             for k in h.keys():
-                if k in self.key_shard:
-                    raise CheckpointError(f"tensor {k} appears in both {self.key_shard[k].name} and {shard.name}")
-                self.key_shard[k] = shard
+                name = naming.rename_key(self.names, k)
+                if name in self.key_shard:
+                    raise CheckpointError(f"tensor {k} appears in both {self.key_shard[name].name} and {shard.name}")
+                self.key_shard[name] = shard
+                self.file_key[name] = k
         self.experts = ExpertIndex()
         self.resident_keys: dict[str, str] = {}          # canonical name -> key in the files
         for k in list(self.key_shard):
@@ -98,7 +111,7 @@ class HFCheckpoint(ConfigExperts):
 
     # -- metadata ---------------------------------------------------------------------------
     def _slice(self, key: str):
-        return self._handles[self.key_shard[key]].get_slice(key)
+        return self._handles[self.key_shard[key]].get_slice(self.file_key[key])
 
     def shape(self, key: str) -> tuple:
         return tuple(self._slice(key).get_shape())
@@ -117,7 +130,7 @@ class HFCheckpoint(ConfigExperts):
 
     def get(self, key: str) -> torch.Tensor:
         self.dtype(key)  # refuse unsupported dtypes by name
-        return self._handles[self.key_shard[key]].get_tensor(key)
+        return self._handles[self.key_shard[key]].get_tensor(self.file_key[key])
 
     # -- routed experts ---------------------------------------------------------------------
     def check_experts(self) -> None:
@@ -210,3 +223,9 @@ class StreamingSafetensorsWriter:
         self.f.flush()
         os.fsync(self.f.fileno())
         self.f.close()
+
+
+def _family_for(config: dict):
+    # Imported at call time: the families import models/, which imports this module.
+    from lean_qwenflash.families import family_for
+    return family_for(config)

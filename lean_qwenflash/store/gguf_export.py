@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from .checkpoint import HFCheckpoint
-from . import naming
 from .gguf_names import EXPERT_KEYS, Joined, Values, gguf_arch, hf_to_gguf_tensor, transform_for
 from .gguf_tokenizer import TokenizerConversionError, gguf_tokenizer_metadata
 
@@ -109,7 +108,7 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}; got {encoding!r}")
     ckpt = HFCheckpoint(hf_dir)
-    arch = gguf_arch(ckpt.names.family)
+    arch = gguf_arch(ckpt.family.name)
     cfg = ckpt.config
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +125,7 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int
         else:
             w.add_uint32(full, int(value))
     if ckpt.moe_layers():
-        num_experts, top_k, _, inter = naming.expert_dims(cfg)
+        num_experts, top_k, _, inter = ckpt.expert_dims()
         for gkey, value in zip(EXPERT_KEYS, (num_experts, top_k, inter)):
             w.add_uint32(f"{arch.gguf_arch}.{gkey}", value)
     if cfg.get("head_dim"):

@@ -145,7 +145,8 @@ class GGUFCheckpoint(ConfigExperts):
                 self.tensors[t.name] = t
         arch_name = self.metadata.get("general.architecture")
         if arch_name not in BY_GGUF_ARCH:
-            raise naming.UnsupportedArchitecture(
+            from lean_qwenflash.families.base import UnsupportedArchitecture
+            raise UnsupportedArchitecture(
                 f"{self.path.name}: GGUF architecture {arch_name!r} is not supported; supported: "
                 f"{', '.join(sorted(BY_GGUF_ARCH))}")
         self.arch = BY_GGUF_ARCH[arch_name]
@@ -191,7 +192,8 @@ class GGUFCheckpoint(ConfigExperts):
             raise GGUFError(f"{self.path.name}: tensors this {arch_name} mapping does not know: "
                             f"{', '.join(sorted(unknown)[:6])}" + (" ..." if len(unknown) > 6 else ""))
         self.config = self._config()
-        self.names = naming.arch_names(self.config)
+        self.family = _family_for(self.config)
+        self.names = self.family.layout
 
     def _check_layers(self, num_layers: int) -> None:
         """Every layer of a kind (same expert layout, same mixer) holds the same tensors, and the
@@ -461,3 +463,9 @@ class GGUFCheckpoint(ConfigExperts):
 
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "gguf_shards", "is_gguf", "GLOBAL_TENSORS"]
+
+
+def _family_for(config: dict):
+    # Imported at call time: the families import models/, which imports this module.
+    from lean_qwenflash.families import family_for
+    return family_for(config)

@@ -1,7 +1,8 @@
 """Checkpoint tensor names: which tensors are routed experts, and how they map to records.
 
-This is the single place that knows Hugging Face key layouts. The packer uses it to split a
-checkpoint into resident tensors and expert records; the model loader uses it to read a checkpoint
+The generic key parsing; each family declares its layout (``families.base.ExpertLayout``: the
+sparse block's name, the projection names, renames, ignored prefixes). The packer uses this to
+split a checkpoint into resident tensors and expert records; the model loader to read a checkpoint
 directly. Two on-disk expert layouts exist:
 
 * per-expert keys:  ``{moe}.experts.{e}.{gate,up,down}_proj.weight`` (Mixtral: ``w1, w3, w2``)
@@ -19,61 +20,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:     # (the families import models/, which import the store: no import at run time)
+    from lean_qwenflash.families.base import ExpertLayout
+
 
 # The record's projections, in on-disk order inside a record.
 EXPERT_TENSORS = ("gate_up", "down")
-
-
-@dataclass(frozen=True)
-class ArchNames:
-    """Naming facts for one Hugging Face architecture string."""
-
-    architecture: str
-    family: str                 # our model family: "qwen3_next", "qwen3_moe", "mixtral", "olmoe"
-    moe_module: str             # name of the sparse block under model.layers.{L}
-    proj_names: tuple           # per-expert names of (gate, up, down)
-    moe_aliases: tuple = ()     # other sparse-block names that may appear (stacked layout)
-    num_experts_key: str = "num_experts"
-    # Checkpoint tensors the runtime does not use (e.g. Qwen3-Next's multi-token-prediction head).
-    ignored_prefixes: tuple = ()
-    top_k_key: str = "num_experts_per_tok"
-    intermediate_key: str = "moe_intermediate_size"
-
-
-ARCHITECTURES = {
-    a.architecture: a
-    for a in (
-        ArchNames("Qwen3NextForCausalLM", "qwen3_next", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                  ignored_prefixes=("mtp.",)),
-        ArchNames("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
-        ArchNames("MixtralForCausalLM", "mixtral", "block_sparse_moe", ("w1", "w3", "w2"),
-                  moe_aliases=("mlp",), num_experts_key="num_local_experts",
-                  intermediate_key="intermediate_size"),
-        ArchNames("OlmoeForCausalLM", "olmoe", "mlp", ("gate_proj", "up_proj", "down_proj"),
-                  intermediate_key="intermediate_size"),
-    )
-}
-
-
-class UnsupportedArchitecture(ValueError):
-    pass
-
-
-def arch_names(config: dict) -> ArchNames:
-    """The naming facts for an HF config dict; a clear error for anything we do not know."""
-    archs = config.get("architectures") or []
-    for a in archs:
-        if a in ARCHITECTURES:
-            return ARCHITECTURES[a]
-    # A config without "architectures" (saved from a bare config object) still names its model_type.
-    by_type = {a.family: a for a in ARCHITECTURES.values()}
-    if not archs and config.get("model_type") in by_type:
-        return by_type[config["model_type"]]
-    what = ", ".join(archs) if archs else "none (config.json has no 'architectures')"
-    raise UnsupportedArchitecture(
-        f"unsupported architecture: {what}; supported: {', '.join(sorted(ARCHITECTURES))}"
-    )
 
 
 @dataclass(frozen=True)
@@ -88,7 +42,7 @@ class ExpertKey:
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def parse_expert_key(names: ArchNames, key: str) -> Optional[ExpertKey]:
+def parse_expert_key(names: ExpertLayout, key: str) -> Optional[ExpertKey]:
     """ExpertKey for a routed-expert tensor name, None for anything resident."""
     m = _LAYER_RE.match(key)
     if not m:
@@ -110,7 +64,7 @@ def parse_expert_key(names: ArchNames, key: str) -> Optional[ExpertKey]:
     return None
 
 
-def canonical_resident_key(names: ArchNames, key: str) -> str:
+def canonical_resident_key(names: ExpertLayout, key: str) -> str:
     """Map runtime-style aliases of resident tensors to the canonical checkpoint name."""
     m = _LAYER_RE.match(key)
     if not m:
@@ -123,44 +77,16 @@ def canonical_resident_key(names: ArchNames, key: str) -> str:
     return key
 
 
-def expert_key(names: ArchNames, layer_idx: int, expert_id: int, role: str) -> str:
+def expert_key(names: ExpertLayout, layer_idx: int, expert_id: int, role: str) -> str:
     """Canonical per-expert checkpoint key (role: gate, up or down)."""
     proj = dict(zip(("gate", "up", "down"), names.proj_names))[role]
     return f"model.layers.{layer_idx}.{names.moe_module}.experts.{expert_id}.{proj}.weight"
 
 
-def moe_layer_indices(config: dict) -> list[int]:
-    """Indices of the layers whose MLP is a routed sparse block (others are dense MLPs)."""
-    names = arch_names(config)
-    n = int(config["num_hidden_layers"])
-    if names.family in ("mixtral", "olmoe"):
-        return list(range(n))
-    step = int(config.get("decoder_sparse_step", 1) or 1)
-    mlp_only = set(config.get("mlp_only_layers") or [])
-    if num_experts(config) <= 0:
-        return []
-    return [i for i in range(n) if i not in mlp_only and (i + 1) % step == 0]
+def rename_key(names: ExpertLayout, key: str) -> str:
+    """``key`` after the layout's prefix renames (e.g. a multimodal checkpoint's text model)."""
+    for prefix, replacement in names.key_renames:
+        if key.startswith(prefix):
+            return replacement + key[len(prefix):]
+    return key
 
-
-def num_experts(config: dict) -> int:
-    """Routed experts per sparse layer (0 when the config has none).
-
-    transformers >= 5 saves Qwen3-MoE configs with ``num_local_experts`` (its attribute_map alias)
-    while the released checkpoints say ``num_experts``; both spellings mean the same count.
-    """
-    names = arch_names(config)
-    for key in (names.num_experts_key, "num_experts", "num_local_experts"):
-        if config.get(key) is not None:
-            return int(config[key])
-    return 0
-
-
-def expert_dims(config: dict) -> tuple[int, int, int, int]:
-    """(num_experts, top_k, hidden_size, expert_intermediate_size) from an HF config dict."""
-    names = arch_names(config)
-    return (
-        num_experts(config),
-        int(config[names.top_k_key]),
-        int(config["hidden_size"]),
-        int(config[names.intermediate_key]),
-    )

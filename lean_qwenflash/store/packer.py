@@ -248,7 +248,7 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
         with open(tmp / name, "rb") as fh:
             os.fsync(fh.fileno())
 
-    manifest = fmt.Manifest(architecture=ckpt.names.architecture, family=ckpt.names.family, config=ckpt.config,
+    manifest = fmt.Manifest(architecture=ckpt.architecture, family=ckpt.family.name, config=ckpt.config,
                             layers=layers, experts_bytes=offset, tokenizer_files=copied,
                             created_by=f"lean-qwenflash {__version__}", notes=notes,
                             resident=resident_meta)

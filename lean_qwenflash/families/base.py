@@ -1,0 +1,144 @@
+"""What a model family declares: its architectures, checkpoint key layout, typed config and builder.
+
+A family is one file in this package that creates one ``Family``; ``families/__init__.py`` collects
+them. Everything else asks the registry: the packer and the checkpoint readers for the key layout
+and the MoE layers, the model loader for ``build``, the tests for the list of families.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+class FamilyConfigError(ValueError):
+    """A config.json value a family cannot use; the message names the key."""
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Checkpoint key layout of the routed experts and routers of one family.
+
+    Per-expert keys: ``model.layers.{L}.{moe_module}.experts.{e}.{proj}.weight`` with ``proj_names``
+    for (gate, up, down); stacked keys: ``{moe_module}.experts.gate_up_proj`` [E, 2I, H] and
+    ``down_proj`` [E, H, I]. ``moe_aliases``: other names of the sparse block that may appear (their
+    router maps back to ``moe_module``). ``key_renames``: (prefix, replacement) applied to every key
+    first (e.g. a multimodal checkpoint's ``model.language_model.`` -> ``model.``);
+    ``ignored_prefixes``: tensors the runtime does not use (after renaming: MTP heads, vision towers).
+    """
+
+    moe_module: str = "mlp"
+    proj_names: tuple = ("gate_proj", "up_proj", "down_proj")
+    moe_aliases: tuple = ()
+    key_renames: tuple = ()
+    ignored_prefixes: tuple = ()
+
+
+_REQUIRED = object()
+
+
+class ConfigReader:
+    """Reads an HF config dict with types and defaults; errors name the key and the architecture."""
+
+    def __init__(self, config: dict, architecture: str):
+        self.config = config
+        self.architecture = architecture
+
+    def _fail(self, key: str, why: str):
+        raise FamilyConfigError(f"config.json {key!r} ({self.architecture}): {why}")
+
+    def get(self, key: str, kind: type = int, default: Any = _REQUIRED, aliases: Sequence[str] = ()):
+        for k in (key,) + tuple(aliases):
+            value = self.config.get(k)
+            if value is not None:
+                break
+        else:
+            if default is _REQUIRED:
+                self._fail(key, "missing (required)")
+            return default
+        if kind is bool:
+            if not isinstance(value, bool):
+                self._fail(k, f"must be true or false, got {value!r}")
+            return value
+        if kind is int:
+            if isinstance(value, bool) or not isinstance(value, int) and not (isinstance(value, float) and value.is_integer()):
+                self._fail(k, f"must be an integer, got {value!r}")
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                self._fail(k, f"must be a number, got {value!r}")
+            return float(value)
+        if kind is list:
+            if not isinstance(value, list):
+                self._fail(k, f"must be a list, got {value!r}")
+            return value
+        if kind is dict:
+            if not isinstance(value, dict):
+                self._fail(k, f"must be an object, got {value!r}")
+            return value
+        return value
+
+    def positive(self, key: str, default: Any = _REQUIRED, aliases: Sequence[str] = ()) -> int:
+        value = self.get(key, int, default, aliases)
+        if value is not None and value < 1:
+            self._fail(key, f"must be >= 1, got {value}")
+        return value
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """What the store and the prefetcher need of a config: the sparse layers and expert sizes."""
+
+    num_layers: int
+    moe_layers: tuple
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    expert_intermediate: int
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: everything the rest of the runtime asks about it.
+
+    ``facts(config)`` reads the MoE facts (typed; errors name the key); ``build(config)`` makes the
+    ``CausalLM`` on the current default device, with HF attribute names so that its
+    ``state_dict()`` keys are the checkpoint's resident keys. ``text_config(config)`` returns the
+    config of the part we run (a multimodal checkpoint's text model), used before anything else.
+    """
+
+    name: str
+    architectures: tuple
+    model_types: tuple
+    layout: ExpertLayout
+    facts_fn: Callable[[ConfigReader], MoEFacts]
+    build_fn: Callable[[dict], Any]
+    text_config_fn: Optional[Callable[[dict], dict]] = None
+    notes: tuple = field(default_factory=tuple)    # what the runtime skips and says so (e.g. a vision tower)
+
+    def text_config(self, config: dict) -> dict:
+        return self.text_config_fn(config) if self.text_config_fn else config
+
+    def reader(self, config: dict) -> ConfigReader:
+        archs = config.get("architectures") or [self.architectures[0]]
+        return ConfigReader(self.text_config(config), archs[0])
+
+    def facts(self, config: dict) -> MoEFacts:
+        return self.facts_fn(self.reader(config))
+
+    def build(self, config: dict):
+        return self.build_fn(self.text_config(config))
+
+
+def sparse_layers(r: ConfigReader, num_experts: int, first_dense: int = 0) -> tuple:
+    """The usual rule for which layers are sparse: ``decoder_sparse_step`` (every step-th layer),
+    minus ``mlp_only_layers``, minus the first ``first_dense`` layers; none without experts."""
+    n = r.positive("num_hidden_layers")
+    if num_experts <= 0:
+        return ()
+    step = r.get("decoder_sparse_step", int, 1) or 1
+    dense = set(r.get("mlp_only_layers", list, []))
+    return tuple(i for i in range(n) if i not in dense and i >= first_dense and (i + 1) % step == 0)
