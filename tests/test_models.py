@@ -245,3 +245,12 @@ def test_qwen3_next_layer_types_from_interval_when_absent():
         "linear_attention", "linear_attention", "full_attention"] * 2
     with pytest.raises(ValueError, match="layer_types"):
         layer_types({"num_hidden_layers": 2, "layer_types": ["full_attention"]})
+
+
+def test_every_registered_family_has_tiny_test_configs():
+    from lean_qwenflash.families import FAMILIES
+
+    for name, family in FAMILIES.items():
+        assert name in hf_models.BASE and name in hf_models.VARIANTS, f"family {name} has no tiny test config"
+        assert hf_models.BASE[name]["architectures"][0] in family.architectures
+        assert {"base", "quant"} <= set(hf_models.VARIANTS[name])

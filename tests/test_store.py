@@ -37,7 +37,16 @@ FAMILIES = {
                         linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=3)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=5, num_experts_per_tok=2)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, head_dim=10,
+                         shared_expert_intermediate_size=24, linear_num_value_heads=4, linear_num_key_heads=2,
+                         linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=3)),
 }
+
+
+def test_every_registered_family_has_a_store_round_trip_config():
+    from lean_qwenflash.families import FAMILIES as REGISTRY
+    assert set(FAMILIES) == set(REGISTRY)
 
 
 def make_checkpoint(path: Path, family: str, stacked: bool = False, dtype=torch.float32, seed: int = 0) -> Path:

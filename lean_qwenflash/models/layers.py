@@ -271,21 +271,30 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk_size: 
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet linear attention (Qwen3-Next): causal depthwise conv, then the gated delta rule.
 
-    ``in_proj_qkvz`` rows are grouped per key head as [q, k, v (Hv/Hk heads), z (Hv/Hk heads)],
-    ``in_proj_ba`` per key head as [b, a]; the conv runs on channels [q all, k all, v all].
+    Qwen3-Next layout: ``in_proj_qkvz`` rows grouped per key head as [q, k, v (Hv/Hk heads), z
+    (Hv/Hk heads)], ``in_proj_ba`` per key head as [b, a]. ``split_projections`` (Qwen3.5): four
+    flat projections ``in_proj_qkv`` [q all, k all, v all], ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``. The conv runs on channels [q all, k all, v all] either way.
     State: ``conv`` [B, C, K-1] (last conv inputs) and ``recurrent`` [B, Hv, Dk, Dv] (fp32).
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
-                 head_v_dim: int, conv_kernel_size: int, norm_eps: float):
+                 head_v_dim: int, conv_kernel_size: int, norm_eps: float, split_projections: bool = False):
         super().__init__()
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel_size = conv_kernel_size
-        self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.split_projections = split_projections
+        if split_projections:
+            self.in_proj_qkv = Linear(hidden_size, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(hidden_size, self.value_dim, bias=False)
+            self.in_proj_b = Linear(hidden_size, num_v_heads, bias=False)
+            self.in_proj_a = Linear(hidden_size, num_v_heads, bias=False)
+        else:
+            self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim,
                                 bias=False, padding=conv_kernel_size - 1)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
@@ -304,8 +313,11 @@ class GatedDeltaNet(nn.Module):
         out = kernels.depthwise_conv(window, self.conv1d.weight)
         return F.silu(out).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, rope=None, state=None) -> torch.Tensor:
+    def _project(self, x: torch.Tensor):
+        """x -> (conv input [B, T, C] as [q all, k all, v all], z [B, T, Hv*Dv], b, a [B, T, Hv])."""
         batch, num_tokens, _ = x.shape
+        if self.split_projections:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         ratio = self.num_v_heads // self.num_k_heads
         dk, dv, nk, nv = self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads
         qkvz = self.in_proj_qkvz(x).view(batch, num_tokens, nk, 2 * dk + 2 * ratio * dv)
@@ -314,6 +326,13 @@ class GatedDeltaNet(nn.Module):
         b, a = ba[..., :ratio].reshape(batch, num_tokens, nv), ba[..., ratio:].reshape(batch, num_tokens, nv)
         mixed = torch.cat((q.reshape(batch, num_tokens, -1), k.reshape(batch, num_tokens, -1),
                            v.reshape(batch, num_tokens, -1)), dim=-1)
+        return mixed, z, b, a
+
+    def forward(self, x: torch.Tensor, rope=None, state=None) -> torch.Tensor:
+        batch, num_tokens, _ = x.shape
+        ratio = self.num_v_heads // self.num_k_heads
+        dk, dv, nk, nv = self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads
+        mixed, z, b, a = self._project(x)
         mixed = self._conv(mixed, state)
         compute_dtype = torch.promote_types(x.dtype, torch.float32)   # fp32 at least, fp64 in tests
         q, k, v = mixed.to(compute_dtype).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)

@@ -69,11 +69,14 @@ class HFCheckpoint(ConfigExperts):
         if not cfg.is_file():
             raise CheckpointError(f"{self.path} has no config.json: pass a Hugging Face checkpoint directory")
         try:
-            self.config = json.loads(cfg.read_text())
+            self.source_config = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
-        self.family = _family_for(self.config)
+        self.family = _family_for(self.source_config)
+        # The config of the model we run (a multimodal checkpoint's text model), flat.
+        self.config = self.family.text_config(self.source_config)
         self.names = self.family.layout
+        self.skipped: dict[str, int] = {}               # what is not used: prefix -> tensor count
         shards = sorted(self.path.glob("*.safetensors"))
         if not shards:
             raise CheckpointError(f"{self.path} has no .safetensors files (other weight formats are not supported)")
@@ -94,8 +97,14 @@ class HFCheckpoint(ConfigExperts):
                 self.file_key[name] = k
         self.experts = ExpertIndex()
         self.resident_keys: dict[str, str] = {}          # canonical name -> key in the files
+        num_layers = self.config.get("num_hidden_layers")
         for k in list(self.key_shard):
-            if k.startswith(self.names.ignored_prefixes):
+            skip = next((p for p in self.names.ignored_prefixes if k.startswith(p)), None)
+            layer = naming.layer_of(k)
+            if skip is None and layer is not None and isinstance(num_layers, int) and layer >= num_layers:
+                skip = "model.layers.N>=num_hidden_layers (multi-token prediction)"
+            if skip is not None:
+                self.skipped[skip] = self.skipped.get(skip, 0) + 1
                 del self.key_shard[k]
                 continue
             ek = naming.parse_expert_key(self.names, k)

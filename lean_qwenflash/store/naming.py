@@ -42,6 +42,12 @@ class ExpertKey:
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def layer_of(key: str) -> Optional[int]:
+    """The decoder layer index of ``model.layers.{L}.*`` keys, else None."""
+    m = _LAYER_RE.match(key)
+    return int(m.group(1)) if m else None
+
+
 def parse_expert_key(names: ExpertLayout, key: str) -> Optional[ExpertKey]:
     """ExpertKey for a routed-expert tensor name, None for anything resident."""
     m = _LAYER_RE.match(key)

@@ -1,0 +1,64 @@
+"""Family-specific checkpoint shapes beyond the shared per-family tests (tests/test_models.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hf_models  # noqa: E402
+from lean_qwenflash.config import load_config  # noqa: E402
+from lean_qwenflash.families import FamilyConfigError, family_for, moe_facts  # noqa: E402
+from lean_qwenflash.generate import Generator, SamplingParams  # noqa: E402
+from lean_qwenflash.runtime import Runtime  # noqa: E402
+from lean_qwenflash.store import pack  # noqa: E402
+
+
+def test_qwen3_5_multimodal_checkpoint_runs_its_text_model_and_says_it_skips_the_vision_tower(tmp_path):
+    """A Qwen3_5MoeForConditionalGeneration checkpoint (text under model.language_model., a vision
+    tower, the config nested in text_config) packs to the text model: same logits and greedy
+    tokens as transformers' multimodal model on text input; the pack's notes say what was skipped."""
+    import transformers
+
+    text_model = hf_models.case("qwen3_5_moe").hf_model
+    vision = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=48, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text_model.config.to_dict(), vision_config=vision)
+    cfg._attn_implementation = "eager"
+    mm = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
+    # The same text weights as the CausalLM case (its router margins hold), under the nested names.
+    missing, unexpected = mm.model.language_model.load_state_dict(
+        {k[len("model."):]: v for k, v in text_model.state_dict().items() if k.startswith("model.")}, strict=False)
+    assert not missing and not unexpected
+    mm.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    src = tmp_path / "mm"
+    mm.save_pretrained(src)
+    assert "text_config" in json.loads((src / "config.json").read_text())
+    out = tmp_path / "pack"
+    manifest = pack(src, out, progress=False)
+    assert any("model.visual." in n and "skipped" in n for n in manifest.notes), manifest.notes
+    assert any("vision tower" in n for n in manifest.notes)
+    prompt = hf_models.prompt_ids(96)
+    with torch.no_grad():
+        ref = mm(prompt).logits
+        ref_tokens = mm.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, prompt.shape[1]:]
+    with Runtime.open(load_config(model=str(out), host_cache_bytes="1MiB")) as rt:
+        torch.testing.assert_close(rt.model(prompt), ref, rtol=1e-4, atol=1e-5)
+        tokens = list(Generator(rt.model).generate(prompt[0].tolist(), SamplingParams(temperature=0), 16))
+    assert tokens == ref_tokens.tolist()
+
+
+def test_typed_config_errors_name_the_key():
+    config = dict(hf_models.read_config(hf_models.case("qwen3_moe").path))
+    assert moe_facts(config).top_k == 2
+    for key, value, words in [("num_experts_per_tok", "two", "must be an integer"),
+                              ("num_hidden_layers", 0, "must be >= 1"),
+                              ("moe_intermediate_size", None, "missing")]:
+        bad = dict(config, **{key: value})
+        with pytest.raises(FamilyConfigError, match=f"'{key}'.*{words}"):
+            moe_facts(bad)
+    assert family_for({"model_type": "mixtral"}).name == "mixtral"
