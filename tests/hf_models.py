@@ -50,6 +50,14 @@ BASE = {
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
     ),
+    "glm4_moe": dict(
+        architectures=["Glm4MoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
+        moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True, use_qk_norm=True,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
         moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -75,6 +83,7 @@ QUANT_SHAPES = {
     "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_5_moe": dict(hidden_size=256, moe_intermediate_size=256),
+    "glm4_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "mixtral": dict(hidden_size=256, intermediate_size=256),
     "olmoe": dict(hidden_size=256, intermediate_size=256),
 }
@@ -97,6 +106,14 @@ VARIANTS = {
         "mixed": dict(hidden_size=72, num_attention_heads=3, num_key_value_heads=1, head_dim=24,
                       linear_num_key_heads=3, linear_num_value_heads=3, num_experts_per_tok=3,
                       layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]),
+    },
+    "glm4_moe": {
+        # one dense layer, biased q/k/v, q/k norms, renormalised and scaled weights.
+        "base": {},
+        # 4 groups of 2 experts, 2 kept, top-3 without renormalisation, no q/k norm or bias, no dense layer.
+        "grouped": dict(n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=False, use_qk_norm=False,
+                        attention_bias=False, first_k_dense_replace=0, n_shared_experts=2,
+                        routed_scaling_factor=1.0),
     },
     "qwen3_moe": {
         "base": {},
@@ -186,6 +203,9 @@ def perturb_(model, seed: int) -> None:
     """Give every parameter non-trivial random values with activations of order one."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):      # selection-only router bias (a buffer in HF)
+                b.copy_(0.2 * torch.randn(b.shape, generator=gen))
         for name, p in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -217,7 +237,23 @@ def router_margin(model, input_ids: torch.Tensor) -> float:
 
     def hook(module, args, output):
         logits = output[0] if isinstance(output, tuple) else output
-        probs = torch.softmax(logits.float().reshape(-1, logits.shape[-1]), dim=-1)
+        logits = logits.float().reshape(-1, logits.shape[-1])
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is None:
+            probs = torch.softmax(logits, dim=-1)
+        else:       # sigmoid + correction bias, groups masked (DeepSeek-V3 / GLM): what selection ranks
+            probs = logits.sigmoid() + bias
+            groups = getattr(module, "num_group", None) or getattr(module, "n_group", 1) or 1
+            if groups > 1:
+                grouped = probs.view(-1, groups, probs.shape[-1] // groups)
+                keep = grouped.topk(2, dim=-1).values.sum(-1).topk(module.topk_group, dim=-1).indices
+                mask = torch.zeros(grouped.shape[:2], dtype=torch.bool).scatter_(1, keep, True)
+                gscore = grouped.topk(2, dim=-1).values.sum(-1)
+                # the kept groups' margin to the best dropped group matters too
+                kth = gscore.gather(1, keep).min(-1).values
+                dropped = gscore.masked_fill(mask, -math.inf).max(-1).values
+                margins.append(float((kth - dropped).min()))
+                probs = probs.masked_fill(~mask.repeat_interleave(probs.shape[-1] // groups, dim=-1), -math.inf)
         top = torch.topk(probs, min(top_k + 1, probs.shape[-1]), dim=-1).values
         if top.shape[-1] > top_k:
             margins.append(float((top[:, top_k - 1] - top[:, top_k]).min()))

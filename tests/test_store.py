@@ -41,6 +41,9 @@ FAMILIES = {
                     dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, head_dim=10,
                          shared_expert_intermediate_size=24, linear_num_value_heads=4, linear_num_key_heads=2,
                          linear_key_head_dim=8, linear_value_head_dim=8, full_attention_interval=3)),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2, head_dim=10,
+                      first_k_dense_replace=1, n_shared_experts=1)),
 }
 
 

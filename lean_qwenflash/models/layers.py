@@ -168,14 +168,14 @@ class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  norm_eps: float = 1e-6, bias: bool = False, qk_norm: Optional[str] = None,
                  zero_centred_norm: bool = False, output_gate: bool = False,
-                 clip_qkv: Optional[float] = None):
+                 clip_qkv: Optional[float] = None, o_bias: Optional[bool] = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate, self.qk_norm, self.clip_qkv = output_gate, qk_norm, clip_qkv
         self.q_proj = Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias if o_bias is None else o_bias)
         if qk_norm == "head":
             self.q_norm = RMSNorm(head_dim, norm_eps, zero_centred_norm)
             self.k_norm = RMSNorm(head_dim, norm_eps, zero_centred_norm)
@@ -461,6 +461,49 @@ class SoftmaxRouter(Router):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, indices
+
+
+class SigmoidGroupRouter(Router):
+    """DeepSeek-V3 / GLM-4.5 routing: sigmoid scores; the selection adds ``e_score_correction_bias``
+    and keeps only the ``topk_group`` best of ``n_group`` expert groups (a group scores the sum of
+    its two best); the weights are the un-biased scores of the chosen experts, renormalised
+    (``norm_topk_prob``, +1e-20) and scaled by ``routed_scaling_factor``. All in fp32."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1):
+        super().__init__(hidden_size, num_experts, top_k)
+        if num_experts % n_group or not 0 < topk_group <= n_group:
+            raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} "
+                             f"be in 1..n_group")
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
+        self.n_group, self.topk_group = n_group, topk_group
+
+    def _scores(self, x):
+        """(sigmoid scores, selection scores with groups masked) [N, E], fp32."""
+        # fp32 logits from fp32 inputs, as the architecture defines them (an encoded router: its kernel)
+        logits = F.linear(x.float(), self.weight.float()) if self.qweight is None else self(x).float()
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            keep = torch.topk(group_scores, self.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(self.num_experts // self.n_group, dim=-1),
+                                        float("-inf"))
+        return scores, choice
+
+    def route(self, x):
+        scores, choice = self._scores(x)
+        indices = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, indices
+
+    def selection_scores(self, x):
+        return self._scores(x)[1]
 
 
 class SparseMoeBlock(nn.Module):

@@ -1,0 +1,52 @@
+"""GLM-4.5 / 4.6 MoE (Glm4MoeForCausalLM): GQA with biased q/k/v (``attention_bias``) and an
+unbiased o_proj, optional per-head q/k RMSNorm (``use_qk_norm``), partial rotary (half of each
+head by default, rotate-half), the first ``first_k_dense_replace`` layers dense, then sparse layers
+with DeepSeek-V3's routing (sigmoid, correction bias, group-limited top-k, scaling) and ungated
+``shared_experts``. Multi-token-prediction layers (``model.layers.{num_hidden_layers}.*``) are
+skipped."""
+from __future__ import annotations
+
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
+from lean_qwenflash.models.base import CausalLM, DecoderLayer, attention_head_dim, rotary_from_config
+from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SigmoidGroupRouter, SparseMoeBlock
+
+
+def facts(r: ConfigReader) -> MoEFacts:
+    n = r.positive("num_hidden_layers")
+    experts = r.positive("n_routed_experts", aliases=("num_local_experts", "num_experts"))
+    first_dense = r.get("first_k_dense_replace", int, 1)
+    return MoEFacts(n, tuple(range(first_dense, n)), experts, r.positive("num_experts_per_tok"),
+                    r.positive("hidden_size"), r.positive("moe_intermediate_size"))
+
+
+def grouped_router(r: ConfigReader, f: MoEFacts) -> SigmoidGroupRouter:
+    """The DeepSeek-V3 rule's router from its config keys (GLM-4.5 and DeepSeek-V3 share them)."""
+    return SigmoidGroupRouter(f.hidden_size, f.num_experts, f.top_k, r.get("norm_topk_prob", bool, True),
+                              r.get("routed_scaling_factor", float, 1.0), r.positive("n_group", 1),
+                              r.positive("topk_group", 1))
+
+
+def build(config: dict) -> CausalLM:
+    r = ConfigReader(config, "Glm4MoeForCausalLM")
+    f = facts(r)
+    hidden = f.hidden_size
+    eps = r.get("rms_norm_eps", float, 1e-5)
+    head_dim = attention_head_dim(config)
+    sparse = set(f.moe_layers)
+    shared = f.expert_intermediate * r.get("n_shared_experts", int, 1)
+    layers = []
+    for i in range(f.num_layers):
+        attn = Attention(hidden, r.positive("num_attention_heads"), r.positive("num_key_value_heads"), head_dim,
+                         norm_eps=eps, bias=r.get("attention_bias", bool, False), o_bias=False,
+                         qk_norm="head" if r.get("use_qk_norm", bool, False) else None)
+        if i in sparse:
+            mlp = SparseMoeBlock(grouped_router(r, f), i, hidden, shared, shared_gated=False)
+        else:
+            mlp = MLP(hidden, r.positive("intermediate_size"))
+        layers.append(DecoderLayer("self_attn", attn, "mlp", mlp, RMSNorm(hidden, eps), RMSNorm(hidden, eps)))
+    rotary = rotary_from_config(config, head_dim, default_partial=0.5)
+    return CausalLM(config, layers, ["full_attention"] * f.num_layers, RMSNorm(hidden, eps), rotary)
+
+
+FAMILY = Family(name="glm4_moe", architectures=("Glm4MoeForCausalLM",), model_types=("glm4_moe",),
+                layout=ExpertLayout(), facts_fn=facts, build_fn=build)
