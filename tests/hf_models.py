@@ -58,6 +58,24 @@ BASE = {
         rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     ),
+    "deepseek_v3": dict(
+        architectures=["DeepseekV3ForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
+        moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0},
+    ),
+    "deepseek_v2": dict(
+        architectures=["DeepseekV2ForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
+        moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8,
+        n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=1, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, routed_scaling_factor=1.5, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
         moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -83,6 +101,8 @@ QUANT_SHAPES = {
     "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_5_moe": dict(hidden_size=256, moe_intermediate_size=256),
+    "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256),
+    "deepseek_v2": dict(hidden_size=256, moe_intermediate_size=256),
     "glm4_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "mixtral": dict(hidden_size=256, intermediate_size=256),
     "olmoe": dict(hidden_size=256, intermediate_size=256),
@@ -114,6 +134,23 @@ VARIANTS = {
         "grouped": dict(n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=False, use_qk_norm=False,
                         attention_bias=False, first_k_dense_replace=0, n_shared_experts=2,
                         routed_scaling_factor=1.0),
+    },
+    "deepseek_v3": {
+        # query compression, YaRN with mscale_all_dim, 2 groups (1 kept), renormalised x 2.5.
+        "base": {},
+        # no query compression, default rope in rotate-half layout, one group, no renormalisation,
+        # every layer sparse.
+        "lite": dict(q_lora_rank=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                     rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False, first_k_dense_replace=0,
+                     num_experts_per_tok=3),
+    },
+    "deepseek_v2": {
+        # V2-Lite-like: no query compression, group-limited greedy softmax routing.
+        "base": {},
+        # query compression, greedy routing, YaRN.
+        "greedy": dict(q_lora_rank=24, topk_method="greedy", rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 0.707, "mscale_all_dim": 0.707}),
     },
     "qwen3_moe": {
         "base": {},
@@ -239,7 +276,16 @@ def router_margin(model, input_ids: torch.Tensor) -> float:
         logits = output[0] if isinstance(output, tuple) else output
         logits = logits.float().reshape(-1, logits.shape[-1])
         bias = getattr(module, "e_score_correction_bias", None)
-        if bias is None:
+        if bias is None and getattr(module, "topk_method", None) == "group_limited_greedy":
+            probs = torch.softmax(logits, dim=-1)      # DeepSeek-V2: groups ranked by their best expert
+            grouped = probs.view(-1, module.num_group, probs.shape[-1] // module.num_group)
+            gscore = grouped.max(-1).values
+            keep = gscore.topk(module.topk_group, dim=-1).indices
+            mask = torch.zeros(gscore.shape, dtype=torch.bool).scatter_(1, keep, True)
+            margins.append(float((gscore.gather(1, keep).min(-1).values
+                                  - gscore.masked_fill(mask, -math.inf).max(-1).values).min()))
+            probs = probs.masked_fill(~mask.repeat_interleave(probs.shape[-1] // module.num_group, dim=-1), 0.0)
+        elif bias is None:
             probs = torch.softmax(logits, dim=-1)
         else:       # sigmoid + correction bias, groups masked (DeepSeek-V3 / GLM): what selection ranks
             probs = logits.sigmoid() + bias

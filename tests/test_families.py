@@ -62,3 +62,45 @@ def test_typed_config_errors_name_the_key():
         with pytest.raises(FamilyConfigError, match=f"'{key}'.*{words}"):
             moe_facts(bad)
     assert family_for({"model_type": "mixtral"}).name == "mixtral"
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_caches_the_latent_not_expanded_keys_and_values(family):
+    from lean_qwenflash.generate import new_state
+    from lean_qwenflash.models import load_hf_checkpoint
+
+    c = hf_models.case(family)
+    model, _ = load_hf_checkpoint(c.path)
+    state = new_state(model)
+    model(c.prompt, state)
+    cfg = c.config
+    r, dr = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    for layer in state.layers:
+        assert layer.keys.shape[1] == 1 and layer.keys.shape[-1] == r        # one latent per token
+        assert layer.values.shape[1] == 1 and layer.values.shape[-1] == dr   # one shared rope key per token
+    per_token = sum((l.keys.shape[-1] + l.values.shape[-1]) * l.keys.element_size() for l in state.layers)
+    expanded = cfg["num_hidden_layers"] * cfg["num_attention_heads"] * (
+        cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]) * 4
+    assert per_token == cfg["num_hidden_layers"] * (r + dr) * 4 < expanded
+    # what the cache holds for these tokens, in bytes (its capacity grows by doubling)
+    assert sum(l.keys[:, :, :l.num_tokens].nbytes + l.values[:, :, :l.num_tokens].nbytes
+               for l in state.layers) == per_token * c.prompt.shape[1]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_long_prompt_matches_transformers(family):
+    """1100 tokens (past the YaRN original context of 64 and the configured 256), prefilled in
+    chunks through the latent cache, then decoded: transformers' logits."""
+    from lean_qwenflash.generate import new_state
+    from lean_qwenflash.models import load_hf_checkpoint
+
+    c = hf_models.case(family)
+    model, _ = load_hf_checkpoint(c.path)
+    prompt = hf_models.prompt_ids(96, 1100, seed=7)
+    with torch.no_grad():
+        ref = c.hf_model(prompt).logits
+    state = new_state(model)
+    chunks = [model(prompt[:, a:min(a + 300, 1098)], state) for a in range(0, 1098, 300)]
+    steps = [model(prompt[:, i:i + 1], state) for i in (1098, 1099)]
+    ours = torch.cat(chunks + steps, dim=1)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)

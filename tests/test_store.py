@@ -44,6 +44,13 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  dict(moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2, head_dim=10,
                       first_k_dense_replace=1, n_shared_experts=1)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2, q_lora_rank=16,
+                         kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
+                         n_group=1, topk_group=1)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM",
+                    dict(moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2, q_lora_rank=None,
+                         kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1)),
 }
 
 

@@ -5,6 +5,7 @@ contract with per-layer state (``lean_qwenflash.generate.state``).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -145,16 +146,68 @@ def config_value(config: dict, key: str, default=_REQUIRED):
     return value
 
 
-def rotary_from_config(config: dict, head_dim: int, default_partial: float = 1.0) -> Rotary:
-    """Default RoPE from ``rope_parameters`` (transformers >= 5) or the older top-level keys."""
+def mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's attention scale for a context ``scale``-times longer: 0.1 * m * ln(scale) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def rope_parameters(config: dict) -> dict:
+    """The rope settings: ``rope_parameters`` (transformers >= 5) over the older ``rope_scaling`` and
+    top-level keys, with ``rope_type`` and ``rope_theta`` filled in."""
     rope = dict(config.get("rope_scaling") or {})
     rope.update(config.get("rope_parameters") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    rope["rope_theta"] = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    return rope
+
+
+def yarn_inv_freq(rope: dict, config: dict, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN: (inverse frequencies [dim/2], attention factor). Frequencies blend extrapolation (fast
+    dims) and interpolation by ``factor`` (slow dims) over the correction range set by
+    ``beta_fast`` / ``beta_slow``; the factor (``mscale``, ``mscale_all_dim``) scales cos and sin."""
+    base = rope["rope_theta"]
+    original = rope.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+    factor = rope.get("factor")
+    if factor is None:
+        factor = float(config["max_position_embeddings"]) / float(original)
+    factor = float(factor)
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(float(original) / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    extrapolate = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
+
+
+def rotary_from_config(config: dict, head_dim: int, default_partial: float = 1.0) -> Rotary:
+    """RoPE from the config: ``default``, ``linear`` (positions divided by ``factor``) or ``yarn``."""
+    rope = rope_parameters(config)
+    rope_type, theta = rope["rope_type"], rope["rope_theta"]
     partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default_partial)))
-    return Rotary(head_dim, theta, partial)
+    rotary = Rotary(head_dim, theta, partial)
+    if rope_type == "default":
+        return rotary
+    if rope_type == "linear":
+        rotary.inv_freq = rotary.inv_freq / float(rope["factor"])
+        return rotary
+    if rope_type == "yarn":
+        rotary.inv_freq, rotary.attention_scaling = yarn_inv_freq(rope, config, rotary.rotary_dim)
+        return rotary
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: default, linear, yarn)")
 
 
 def attention_head_dim(config: dict) -> int:
