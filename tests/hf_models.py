@@ -76,6 +76,13 @@ BASE = {
         n_group=4, topk_group=2, routed_scaling_factor=1.5, rms_norm_eps=1e-6, tie_word_embeddings=False,
         max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    "gpt_oss": dict(
+        architectures=["GptOssForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=8, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    ),
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
         moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -101,6 +108,7 @@ QUANT_SHAPES = {
     "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_5_moe": dict(hidden_size=256, moe_intermediate_size=256),
+    "gpt_oss": dict(hidden_size=256, intermediate_size=256),
     "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256),
     "deepseek_v2": dict(hidden_size=256, moe_intermediate_size=256),
     "glm4_moe": dict(hidden_size=256, moe_intermediate_size=256),
@@ -151,6 +159,13 @@ VARIANTS = {
         "greedy": dict(q_lora_rank=24, topk_method="greedy", rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
             "mscale": 0.707, "mscale_all_dim": 0.707}),
+    },
+    "gpt_oss": {
+        # window 8 (the 40-token prompt is 5 windows), layers sliding, full, sliding, full.
+        "base": {},
+        # window 16, top-3, explicit layer types, the swiglu clamp tighter.
+        "window16": dict(sliding_window=16, num_experts_per_tok=3, swiglu_limit=1.5,
+                         layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
     },
     "qwen3_moe": {
         "base": {},
@@ -260,7 +275,8 @@ def perturb_(model, seed: int) -> None:
                 # Tied embeddings double as the head: keep its logits of order one.
                 scale = p.shape[-1] ** -0.5 if model.config.tie_word_embeddings else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight") or name.endswith("block_sparse_moe.gate.weight"):
+            elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight",
+                                "mlp.router.gate.weight")):
                 p.copy_(3.0 * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
             else:
                 fan_in = p.shape[-1]
@@ -305,7 +321,7 @@ def router_margin(model, input_ids: torch.Tensor) -> float:
             margins.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
 
     handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
-               if n.endswith("mlp.gate") or n.endswith("block_sparse_moe.gate")]
+               if n.endswith(("mlp.gate", "block_sparse_moe.gate", "mlp.router", "mlp.router.gate"))]
     with torch.no_grad():
         model(input_ids)
     for h in handles:

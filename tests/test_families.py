@@ -104,3 +104,30 @@ def test_latent_attention_long_prompt_matches_transformers(family):
     steps = [model(prompt[:, i:i + 1], state) for i in (1098, 1099)]
     ours = torch.cat(chunks + steps, dim=1)
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gpt_oss_sliding_window_cache_stays_bounded_and_long_prompts_match():
+    """300 tokens through window-8 layers: transformers' logits, chunked and token by token, while
+    the window layers never hold more than 8 tokens' keys (the full layers hold all of them)."""
+    from lean_qwenflash.generate import KVCache, SlidingKVCache, new_state
+    from lean_qwenflash.models import load_hf_checkpoint
+
+    c = hf_models.case("gpt_oss")
+    model, _ = load_hf_checkpoint(c.path)
+    prompt = hf_models.prompt_ids(96, 300, seed=11)
+    with torch.no_grad():
+        ref = c.hf_model(prompt).logits
+    state = new_state(model)
+    pieces = [model(prompt[:, a:a + 37], state) for a in range(0, 259, 37)]
+    pieces += [model(prompt[:, i:i + 1], state) for i in range(259, 300)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), ref, rtol=1e-4, atol=1e-5)
+    window = c.config["sliding_window"]
+    kinds = [type(l) for l in state.layers]
+    assert kinds == [SlidingKVCache, KVCache, SlidingKVCache, KVCache]
+    for layer in state.layers:
+        if isinstance(layer, SlidingKVCache):
+            assert layer.keys.shape[2] == window and layer.num_tokens == 300
+        else:
+            assert layer.num_tokens == 300 and layer.keys.shape[2] >= 300
+    snapshot = state.clone()            # prefix snapshots of a window layer stay bounded too
+    assert snapshot.layers[0].nbytes() == state.layers[0].nbytes() < state.layers[1].nbytes() / 30

@@ -35,6 +35,12 @@ class ExpertLayout:
     moe_aliases: tuple = ()
     key_renames: tuple = ()
     ignored_prefixes: tuple = ()
+    # Stacked tensors stored as the products' transposes ([E, H, 2I] and [E, I, H]: GPT-OSS), and
+    # gate/up rows alternating instead of gate rows first (GPT-OSS).
+    stacked_transposed: bool = False
+    gate_up_interleaved: bool = False
+    # Tensors under ``{moe}.experts.`` that are resident, not expert records (e.g. expert biases).
+    resident_suffixes: tuple = ()
 
 
 _REQUIRED = object()

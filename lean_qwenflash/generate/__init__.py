@@ -2,7 +2,7 @@
 from lean_qwenflash.generate.generator import Generation, Generator, TokenHook
 from lean_qwenflash.generate.prefix import PrefixCache
 from lean_qwenflash.generate.sampling import Sampler, SamplingParams
-from lean_qwenflash.generate.state import DeltaNetState, KVCache, ModelState, new_state
+from lean_qwenflash.generate.state import DeltaNetState, KVCache, ModelState, SlidingKVCache, new_state
 
 __all__ = ["Generation", "Generator", "TokenHook", "PrefixCache", "Sampler", "SamplingParams", "DeltaNetState",
-           "KVCache", "ModelState", "new_state"]
+           "KVCache", "ModelState", "SlidingKVCache", "new_state"]

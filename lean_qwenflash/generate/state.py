@@ -49,6 +49,57 @@ class KVCache:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+class SlidingKVCache:
+    """The keys/values of a sliding-window attention layer: the last ``window`` tokens only, in a
+    ring [B, kv_heads, window, D] with each slot's token position (-1: empty). Memory is bounded by
+    the window however long the sequence grows."""
+
+    def __init__(self, window: int):
+        if window < 1:
+            raise ValueError(f"sliding window {window} must be >= 1")
+        self.window = window
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.positions: Optional[torch.Tensor] = None
+        self.num_tokens = 0
+
+    def attend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Add k, v [B, kv_heads, T, D]; return (keys, values, their positions) that the T new
+        queries may need: the ring's past tokens plus the new ones (the caller masks by position)."""
+        num_new = k.shape[2]
+        if self.keys is None:
+            self.keys = k.new_zeros(k.shape[:2] + (self.window, k.shape[3]))
+            self.values = v.new_zeros(v.shape[:2] + (self.window, v.shape[3]))
+            self.positions = torch.full((self.window,), -1, dtype=torch.long, device=k.device)
+        new_pos = torch.arange(self.num_tokens, self.num_tokens + num_new, device=k.device)
+        if num_new == 1:       # decode: the new token takes the oldest slot, then the ring is the window
+            slot = self.num_tokens % self.window
+            self.keys[:, :, slot] = k[:, :, 0]
+            self.values[:, :, slot] = v[:, :, 0]
+            self.positions[slot] = self.num_tokens
+            self.num_tokens += 1
+            return self.keys, self.values, self.positions
+        keys, values = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
+        positions = torch.cat((self.positions, new_pos))
+        keep = min(num_new, self.window)
+        slots = new_pos[-keep:] % self.window
+        self.keys[:, :, slots] = k[:, :, -keep:]
+        self.values[:, :, slots] = v[:, :, -keep:]
+        self.positions[slots] = new_pos[-keep:]
+        self.num_tokens += num_new
+        return keys, values, positions
+
+    def clone(self) -> "SlidingKVCache":
+        other = SlidingKVCache(self.window)
+        if self.keys is not None:
+            other.keys, other.values, other.positions = self.keys.clone(), self.values.clone(), self.positions.clone()
+        other.num_tokens = self.num_tokens
+        return other
+
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
 class DeltaNetState:
     """conv [B, conv_channels, kernel-1] (last conv inputs) and recurrent [B, Hv, Dk, Dv] (fp32)."""
 
@@ -93,6 +144,8 @@ def new_state(model) -> ModelState:
             layers.append(KVCache())
         elif kind == "linear_attention":
             layers.append(DeltaNetState())
+        elif kind == "sliding_attention":
+            layers.append(SlidingKVCache(int(model.sliding_window)))
         else:
             raise ValueError(f"unknown layer type {kind!r}")
     return ModelState(layers)

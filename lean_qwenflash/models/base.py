@@ -39,8 +39,8 @@ class CausalLM(nn.Module):
 
     Attributes mirror HF: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``
     (absent when ``tie_word_embeddings``: the checkpoint has no such tensor either).
-    ``layer_types[i]`` is "full_attention" or "linear_attention" and tells the generator which
-    state each layer needs.
+    ``layer_types[i]`` is "full_attention", "sliding_attention" (then ``sliding_window`` is set) or
+    "linear_attention" and tells the generator which state each layer needs.
     """
 
     # Torch intra-op threads during one-token steps on CPU (None: leave torch's setting). With the
@@ -60,6 +60,7 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(hidden_size, vocab_size, bias=False)
         self.layer_types = list(layer_types)
+        self.sliding_window: Optional[int] = None
         self.rotary = rotary
         self._layers = list(layers)
 

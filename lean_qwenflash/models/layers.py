@@ -169,7 +169,9 @@ class Attention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  norm_eps: float = 1e-6, bias: bool = False, qk_norm: Optional[str] = None,
                  zero_centred_norm: bool = False, output_gate: bool = False,
-                 clip_qkv: Optional[float] = None, o_bias: Optional[bool] = None):
+                 clip_qkv: Optional[float] = None, o_bias: Optional[bool] = None,
+                 sliding_window: Optional[int] = None, sinks: bool = False, use_rope: bool = True,
+                 gate_proj: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate, self.qk_norm, self.clip_qkv = output_gate, qk_norm, clip_qkv
@@ -183,6 +185,18 @@ class Attention(nn.Module):
         elif qk_norm == "full":
             self.q_norm = RMSNorm(num_heads * head_dim, norm_eps, zero_centred_norm)
             self.k_norm = RMSNorm(num_kv_heads * head_dim, norm_eps, zero_centred_norm)
+        # GPT-OSS / AfMoE: a window (key j visible from query i iff i - W < j <= i; the layer's state
+        # is then a SlidingKVCache holding the last W tokens), per-head sink logits (an extra
+        # softmax column with a zero value), no rope on this layer, a separate output gate.
+        self.sliding_window, self.use_rope = sliding_window, use_rope
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))
+        else:
+            self.sinks = None
+        if gate_proj:
+            self.gate_proj = Linear(hidden_size, num_heads * head_dim, bias=False)
+        else:
+            self.gate_proj = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], state=None) -> torch.Tensor:
         """x [B, T, H]; ``state`` has ``append(k, v) -> (k_all, v_all)`` ([B, kv_heads, L, D])."""
@@ -204,24 +218,57 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(batch, num_tokens, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if state is not None:
-            k, v = state.append(k, v)
-        num_past = k.shape[2] - num_tokens
-        mask, causal = None, num_tokens > 1
-        if num_tokens > 1 and num_past > 0:
-            # SDPA's is_causal aligns top-left; with a cache the query block sits bottom-right.
-            cols = torch.arange(k.shape[2], device=x.device)
-            rows = torch.arange(num_tokens, device=x.device) + num_past
-            mask, causal = cols[None, :] <= rows[:, None], False
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                             scale=self.head_dim ** -0.5,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        if self.use_rope:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.sliding_window is not None or self.sinks is not None:
+            out = self._masked_attention(q, k, v, state)
+        else:
+            if state is not None:
+                k, v = state.append(k, v)
+            num_past = k.shape[2] - num_tokens
+            mask, causal = None, num_tokens > 1
+            if num_tokens > 1 and num_past > 0:
+                # SDPA's is_causal aligns top-left; with a cache the query block sits bottom-right.
+                cols = torch.arange(k.shape[2], device=x.device)
+                rows = torch.arange(num_tokens, device=x.device) + num_past
+                mask, causal = cols[None, :] <= rows[:, None], False
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                 scale=self.head_dim ** -0.5,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         out = out.transpose(1, 2).reshape(batch, num_tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
+        if self.gate_proj is not None:
+            out = out * torch.sigmoid(self.gate_proj(x))
         return self.o_proj(out)
+
+    def _masked_attention(self, q, k, v, state) -> torch.Tensor:
+        """Attention with an explicit mask from token positions: the sliding window and/or sinks."""
+        num_tokens = q.shape[2]
+        if state is not None:
+            num_past = state.num_tokens
+            if self.sliding_window is not None:
+                k, v, key_pos = state.attend(k, v)
+            else:
+                k, v = state.append(k, v)
+                key_pos = torch.arange(k.shape[2], device=q.device)
+        else:
+            num_past, key_pos = 0, torch.arange(num_tokens, device=q.device)
+        query_pos = torch.arange(num_past, num_past + num_tokens, device=q.device)
+        visible = (key_pos[None, :] >= 0) & (key_pos[None, :] <= query_pos[:, None])
+        if self.sliding_window is not None:
+            visible &= key_pos[None, :] > query_pos[:, None] - self.sliding_window
+        mask = visible
+        if self.sinks is not None:
+            # The sink: one more key (zero, with a zero value) whose logit is the head's sink.
+            zero = k.new_zeros(k.shape[:2] + (1, k.shape[3]))
+            k, v = torch.cat((k, zero), dim=2), torch.cat((v, zero), dim=2)
+            bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
+            sink = self.sinks.to(q.dtype).view(1, -1, 1, 1).expand(1, self.num_heads, num_tokens, 1)
+            mask = torch.cat((bias.expand(1, self.num_heads, -1, -1), sink), dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim ** -0.5,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
 
 class LatentAttention(nn.Module):
@@ -443,7 +490,7 @@ class MLP(nn.Module):
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, provider, layer_idx: int,
-                   mode: str = "exact", isa: str = "auto") -> torch.Tensor:
+                   mode: str = "exact", isa: str = "auto", expert_fn=None) -> torch.Tensor:
     """Sum over each token's selected experts of ``weight * down(silu(gate) * up)``.
 
     x [N, H], weights and indices [N, k]. The provider is asked once for the unique selected ids
@@ -459,7 +506,12 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
         expert_ids = [e for e, _ in pairs]
         experts = provider.acquire(layer_idx, expert_ids)
         try:
-            out = kernels.experts_decode(x, experts, [w for _, w in pairs], mode, isa)
+            if expert_fn is None:
+                out = kernels.experts_decode(x, experts, [w for _, w in pairs], mode, isa)
+            else:
+                out = torch.zeros_like(x)
+                for e, w, (_, weight) in zip(expert_ids, experts, pairs):
+                    out.add_(expert_fn(x, w, e), alpha=weight)
         finally:
             provider.release(layer_idx, expert_ids)
         return out
@@ -480,9 +532,11 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
         ids = expert_ids[start:start + group]
         experts = provider.acquire(layer_idx, ids)
         try:
-            for w, count in zip(experts, counts[start:start + group]):
+            for e, w, count in zip(ids, experts, counts[start:start + group]):
                 rows = token_of[pos:pos + count]
-                y = kernels.expert_mlp(x.index_select(0, rows), w).mul_(weight_of[pos:pos + count, None])
+                xs = x.index_select(0, rows)
+                y = (kernels.expert_mlp(xs, w) if expert_fn is None else expert_fn(xs, w, e))
+                y = y.mul_(weight_of[pos:pos + count, None])
                 out.index_add_(0, rows, y)
                 pos += count
         finally:
@@ -606,6 +660,63 @@ class SoftmaxGroupRouter(Router):
         return weights * self.routed_scaling_factor, indices
 
 
+class TopKSoftmaxRouter(Router):
+    """GPT-OSS routing: logits with a bias, top-k of the logits, softmax over those k only."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+        super().__init__(hidden_size, num_experts, top_k, bias=True)
+
+    def route(self, x):
+        values, indices = torch.topk(self(x).float(), self.top_k, dim=-1)
+        return torch.softmax(values, dim=-1), indices
+
+
+class SigmoidBiasRouter(Router):
+    """AfMoE routing: sigmoid scores (fp32); the selection adds the block's ``expert_bias``; the
+    chosen experts' scores, renormalised (+1e-20), times ``route_scale`` are the weights. The bias
+    lives on the block (HF ``mlp.expert_bias``), handed in as ``bias_owner``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, route_scale: float, bias_owner):
+        super().__init__(hidden_size, num_experts, top_k)
+        self.route_scale = route_scale
+        object.__setattr__(self, "_owner", bias_owner)      # not a submodule: no duplicate keys
+
+    def _scores(self, x):
+        logits = F.linear(x.float(), self.weight.float()) if self.qweight is None else self(x).float()
+        scores = logits.sigmoid()
+        return scores, scores + self._owner.expert_bias.float()
+
+    def route(self, x):
+        scores, choice = self._scores(x)
+        indices = torch.topk(choice, self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale, indices
+
+    def selection_scores(self, x):
+        return self._scores(x)[1]
+
+
+class ClampedSwiGLUExperts(nn.Module):
+    """GPT-OSS expert math, with the experts' biases resident (HF ``mlp.experts.gate_up_proj_bias``
+    [E, 2I] with gate/up interleaved, ``mlp.experts.down_proj_bias`` [E, H]); the weights come from the
+    provider as usual (gate rows first). ``down((up + 1) * g * sigmoid(alpha * g)) + b`` with
+    g = min(gate, limit) and up clamped to [-limit, limit]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate: int, alpha: float, limit: float):
+        super().__init__()
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate))
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.alpha, self.limit, self.intermediate = alpha, limit, intermediate
+
+    def __call__(self, x: torch.Tensor, expert, expert_id: int) -> torch.Tensor:
+        b = self.gate_up_proj_bias[expert_id]
+        h = F.linear(x, kernels.as_float(expert.gate_up, x.dtype, "gate_up"), torch.cat((b[0::2], b[1::2])))
+        gate = h[:, :self.intermediate].clamp(max=self.limit)
+        up = h[:, self.intermediate:].clamp(-self.limit, self.limit)
+        act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return F.linear(act, kernels.as_float(expert.down, x.dtype, "down"), self.down_proj_bias[expert_id])
+
+
 class SparseMoeBlock(nn.Module):
     """Routed experts served by a provider, chosen by ``router`` (HF attribute ``router_name``), plus
     an optional shared expert: sigmoid-gated (Qwen3-Next: ``shared_expert`` + ``shared_expert_gate``)
@@ -631,6 +742,13 @@ class SparseMoeBlock(nn.Module):
             self.shared_experts = MLP(hidden_size, shared_intermediate_size)
             object.__setattr__(self, "shared_expert", self.shared_experts)
         self.provider = None    # set by the model; not a submodule, owns no weights
+        self.expert_fn = None   # a family's own expert math (e.g. ClampedSwiGLUExperts); None: SwiGLU
+
+    def set_expert_fn(self, module: nn.Module, name: str = "experts") -> None:
+        """Use ``module(x, expert, expert_id)`` for the routed experts (registered as ``name``, so its
+        resident tensors, e.g. expert biases, have the checkpoint's keys)."""
+        setattr(self, name, module)
+        object.__setattr__(self, "expert_fn", module)      # an alias, not a second registration
 
     @property
     def top_k(self) -> int:
@@ -645,7 +763,7 @@ class SparseMoeBlock(nn.Module):
         self.provider.layer_input(self.layer_idx, flat)
         weights, indices = self.router.route(flat)
         out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx,
-                             self.expert_kernels, self.kernel_isa)
+                             self.expert_kernels, self.kernel_isa, self.expert_fn)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:

@@ -149,6 +149,8 @@ class HFCheckpoint(ConfigExperts):
         missing, wrong = [], []
         want = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         want_stacked = {"gate_up": (num_experts, 2 * inter, hidden), "down": (num_experts, hidden, inter)}
+        if self.names.stacked_transposed:
+            want_stacked = {"gate_up": (num_experts, hidden, 2 * inter), "down": (num_experts, inter, hidden)}
         for layer in sorted(layers):
             stacked = {p: self.experts.stacked.get((layer, p)) for p in ("gate_up", "down")}
             if all(stacked.values()):
@@ -182,6 +184,10 @@ class HFCheckpoint(ConfigExperts):
         if (layer_idx, "gate_up") in stacked:
             gate_up = self._slice(stacked[(layer_idx, "gate_up")])[expert_id]
             down = self._slice(stacked[(layer_idx, "down")])[expert_id]
+            if self.names.stacked_transposed:
+                gate_up, down = gate_up.t().contiguous(), down.t().contiguous()
+            if self.names.gate_up_interleaved:
+                gate_up = torch.cat((gate_up[0::2], gate_up[1::2]), dim=0)
             return gate_up, down
         k = self.experts.per_expert
         gate = self.get(k[(layer_idx, expert_id, "gate")])

@@ -59,6 +59,8 @@ def parse_expert_key(names: ExpertLayout, key: str) -> Optional[ExpertKey]:
         if not rest.startswith(prefix):
             continue
         tail = rest[len(prefix):]
+        if tail in names.resident_suffixes:
+            return None
         if tail in ("gate_up_proj", "down_proj"):
             return ExpertKey(layer_idx, None, "gate_up" if tail == "gate_up_proj" else "down")
         parts = tail.split(".")

@@ -1,0 +1,61 @@
+"""GPT-OSS (GptOssForCausalLM): GQA with biased projections and per-head attention sinks,
+alternating sliding-window / full attention (``layer_types``; a window layer's cache holds only
+the last ``sliding_window`` tokens), YaRN rope, every layer sparse: router logits with a bias, top-k,
+softmax over the k; experts with biases and a clamped SwiGLU, stored stacked and transposed with
+gate/up columns interleaved (``mlp.experts.gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H]).
+
+The expert biases stay resident; the expert math runs in torch (the native fused kernels compute
+the plain SwiGLU only), so GPT-OSS does not get the native expert kernels yet.
+"""
+from __future__ import annotations
+
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
+from lean_qwenflash.models.base import CausalLM, DecoderLayer, attention_head_dim, rotary_from_config
+from lean_qwenflash.models.layers import Attention, ClampedSwiGLUExperts, RMSNorm, SparseMoeBlock, TopKSoftmaxRouter
+
+
+def facts(r: ConfigReader) -> MoEFacts:
+    n = r.positive("num_hidden_layers")
+    return MoEFacts(n, tuple(range(n)), r.positive("num_local_experts", aliases=("num_experts",)),
+                    r.positive("num_experts_per_tok", aliases=("experts_per_token",)), r.positive("hidden_size"),
+                    r.positive("intermediate_size"))
+
+
+def window_layer_types(r: ConfigReader, num_layers: int, default_every: int = 2) -> list[str]:
+    """``layer_types`` (sliding_attention / full_attention); by default every ``default_every``-th
+    layer is full, the rest sliding."""
+    types = r.get("layer_types", list, None)
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % default_every else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"config layer_types {types!r} must list 'sliding_attention'/'full_attention' "
+                         f"for each of the {num_layers} layers")
+    return list(types)
+
+
+def build(config: dict) -> CausalLM:
+    r = ConfigReader(config, "GptOssForCausalLM")
+    f = facts(r)
+    hidden = f.hidden_size
+    eps = r.get("rms_norm_eps", float, 1e-5)
+    head_dim = attention_head_dim(config)
+    types = window_layer_types(r, f.num_layers)
+    window = r.positive("sliding_window") if "sliding_attention" in types else None
+    layers = []
+    for i, kind in enumerate(types):
+        attn = Attention(hidden, r.positive("num_attention_heads"), r.positive("num_key_value_heads"), head_dim,
+                         norm_eps=eps, bias=r.get("attention_bias", bool, True), sinks=True,
+                         sliding_window=window if kind == "sliding_attention" else None)
+        block = SparseMoeBlock(TopKSoftmaxRouter(hidden, f.num_experts, f.top_k), i, hidden, router_name="router")
+        block.set_expert_fn(ClampedSwiGLUExperts(f.num_experts, hidden, f.expert_intermediate,
+                                                 r.get("swiglu_alpha", float, 1.702), r.get("swiglu_limit", float, 7.0)))
+        layers.append(DecoderLayer("self_attn", attn, "mlp", block, RMSNorm(hidden, eps), RMSNorm(hidden, eps)))
+    model = CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))
+    model.sliding_window = window
+    return model
+
+
+FAMILY = Family(name="gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",),
+                layout=ExpertLayout(stacked_transposed=True, gate_up_interleaved=True,
+                                    resident_suffixes=("gate_up_proj_bias", "down_proj_bias")),
+                facts_fn=facts, build_fn=build)
