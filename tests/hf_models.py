@@ -83,6 +83,13 @@ BASE = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
     ),
+    "afmoe": dict(
+        architectures=["AfmoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
+        moe_intermediate_size=24, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, global_attn_every_n_layers=2,
+        sliding_window=8, route_scale=2.0, mup_enabled=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
     "qwen3_moe": dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=96, hidden_size=48, intermediate_size=40,
         moe_intermediate_size=24, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -108,6 +115,7 @@ QUANT_SHAPES = {
     "qwen3_next": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256),
     "qwen3_5_moe": dict(hidden_size=256, moe_intermediate_size=256),
+    "afmoe": dict(hidden_size=256, moe_intermediate_size=256),
     "gpt_oss": dict(hidden_size=256, intermediate_size=256),
     "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256),
     "deepseek_v2": dict(hidden_size=256, moe_intermediate_size=256),
@@ -166,6 +174,13 @@ VARIANTS = {
         # window 16, top-3, explicit layer types, the swiglu clamp tighter.
         "window16": dict(sliding_window=16, num_experts_per_tok=3, swiglu_limit=1.5,
                          layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"]),
+    },
+    "afmoe": {
+        # window 8 on layers 0 and 2 (rope), full attention without rope on 1 and 3, muP, one dense layer.
+        "base": {},
+        # no muP, no dense layer, two shared experts, top-3, every layer but the last sliding.
+        "wide": dict(mup_enabled=False, num_dense_layers=0, num_shared_experts=2, num_experts_per_tok=3,
+                     global_attn_every_n_layers=4, route_scale=1.0, sliding_window=16),
     },
     "qwen3_moe": {
         "base": {},
@@ -292,6 +307,8 @@ def router_margin(model, input_ids: torch.Tensor) -> float:
         logits = output[0] if isinstance(output, tuple) else output
         logits = logits.float().reshape(-1, logits.shape[-1])
         bias = getattr(module, "e_score_correction_bias", None)
+        if bias is None and len(args) > 1 and torch.is_tensor(args[1]):
+            bias = args[1]          # AfMoE: the block hands its expert_bias to the router
         if bias is None and getattr(module, "topk_method", None) == "group_limited_greedy":
             probs = torch.softmax(logits, dim=-1)      # DeepSeek-V2: groups ranked by their best expert
             grouped = probs.view(-1, module.num_group, probs.shape[-1] // module.num_group)
@@ -321,7 +338,7 @@ def router_margin(model, input_ids: torch.Tensor) -> float:
             margins.append(float((top[:, top_k - 1] - top[:, top_k]).min()))
 
     handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
-               if n.endswith(("mlp.gate", "block_sparse_moe.gate", "mlp.router", "mlp.router.gate"))]
+               if n.endswith(("mlp.gate", "block_sparse_moe.gate", "mlp.router"))]
     with torch.no_grad():
         model(input_ids)
     for h in handles:

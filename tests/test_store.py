@@ -53,6 +53,9 @@ FAMILIES = {
                          kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, first_k_dense_replace=1)),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(num_local_experts=6, num_experts_per_tok=2, head_dim=10, sliding_window=8)),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM",
+              dict(moe_intermediate_size=24, num_experts=6, num_experts_per_tok=2, head_dim=10, num_dense_layers=1,
+                   num_shared_experts=1, sliding_window=8, global_attn_every_n_layers=2)),
 }
 
 

@@ -6,14 +6,14 @@ store needs (sparse layers, expert sizes), read with the family's typed config.
 """
 from __future__ import annotations
 
-from lean_qwenflash.families import (deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen3_5_moe,
-                                     qwen3_moe, qwen3_next)
+from lean_qwenflash.families import (afmoe, deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe,
+                                     qwen3_5_moe, qwen3_moe, qwen3_next)
 from lean_qwenflash.families.base import (ConfigReader, ExpertLayout, Family, FamilyConfigError, MoEFacts,
                                           UnsupportedArchitecture)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (qwen3_next.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, olmoe.FAMILY,
                                                    qwen3_5_moe.FAMILY, glm4_moe.FAMILY, deepseek_v3.FAMILY,
-                                                   deepseek_v2.FAMILY, gpt_oss.FAMILY)}
+                                                   deepseek_v2.FAMILY, gpt_oss.FAMILY, afmoe.FAMILY)}
 ARCHITECTURES: dict[str, Family] = {a: f for f in FAMILIES.values() for a in f.architectures}
 
 

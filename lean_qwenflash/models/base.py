@@ -34,6 +34,20 @@ class DecoderLayer(nn.Module):
         return x + self._mlp(self.post_attention_layernorm(x))
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Pre- and post-norms around both branches (AfMoE): ``x + post_attn(mixer(pre_attn(x)))`` then
+    ``x + post_mlp(mlp(pre_mlp(x)))``; HF names input_layernorm, post_attention_layernorm,
+    pre_mlp_layernorm, post_mlp_layernorm."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp_name: str, mlp: nn.Module, norms: list):
+        super().__init__(mixer_name, mixer, mlp_name, mlp, norms[0], norms[1])
+        self.pre_mlp_layernorm, self.post_mlp_layernorm = norms[2], norms[3]
+
+    def forward(self, x: torch.Tensor, rope, state) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self._mixer(self.input_layernorm(x), rope, state))
+        return x + self.post_mlp_layernorm(self._mlp(self.pre_mlp_layernorm(x)))
+
+
 class CausalLM(nn.Module):
     """A decoder-only LM whose sparse blocks get routed experts from an ``ExpertProvider``.
 
@@ -61,6 +75,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else Linear(hidden_size, vocab_size, bias=False)
         self.layer_types = list(layer_types)
         self.sliding_window: Optional[int] = None
+        self.embed_scale = 1.0          # muP input scaling (AfMoE): embeddings times this
         self.rotary = rotary
         self._layers = list(layers)
 
@@ -117,6 +132,8 @@ class CausalLM(nn.Module):
         num_past = state.num_tokens if state is not None else 0
         num_tokens = input_ids.shape[1]
         x = self.model.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
         rope = None
         if self.rotary is not None:
             rope = self.rotary.tables(num_past, num_tokens, x.dtype, x.device)

@@ -676,10 +676,10 @@ class SigmoidBiasRouter(Router):
     chosen experts' scores, renormalised (+1e-20), times ``route_scale`` are the weights. The bias
     lives on the block (HF ``mlp.expert_bias``), handed in as ``bias_owner``."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, route_scale: float, bias_owner):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, route_scale: float):
         super().__init__(hidden_size, num_experts, top_k)
         self.route_scale = route_scale
-        object.__setattr__(self, "_owner", bias_owner)      # not a submodule: no duplicate keys
+        self._owner = None              # the block holding expert_bias (SparseMoeBlock.add_expert_bias)
 
     def _scores(self, x):
         logits = F.linear(x.float(), self.weight.float()) if self.qweight is None else self(x).float()
@@ -731,9 +731,16 @@ class SparseMoeBlock(nn.Module):
                  router_name: str = "gate", shared_gated: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
-        setattr(self, router_name, router)
+        if "." in router_name:          # nested in a container (AfMoE: mlp.router.gate)
+            outer, inner = router_name.split(".")
+            container = nn.Module()
+            setattr(container, inner, router)
+            setattr(self, outer, container)
+        else:
+            setattr(self, router_name, router)
         if router_name != "router":
-            object.__setattr__(self, "router", router)     # an unregistered alias: no duplicate keys
+            # An unregistered alias (instance attributes win over registered submodules): no duplicate keys.
+            object.__setattr__(self, "router", router)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size and shared_gated:
             self.shared_expert = MLP(hidden_size, shared_intermediate_size)
@@ -749,6 +756,11 @@ class SparseMoeBlock(nn.Module):
         resident tensors, e.g. expert biases, have the checkpoint's keys)."""
         setattr(self, name, module)
         object.__setattr__(self, "expert_fn", module)      # an alias, not a second registration
+
+    def add_expert_bias(self) -> None:
+        """A selection-only router bias on the block (AfMoE: ``mlp.expert_bias`` [E], fp32)."""
+        self.expert_bias = nn.Parameter(torch.zeros(self.router.num_experts))
+        object.__setattr__(self.router, "_owner", self)
 
     @property
     def top_k(self) -> int:

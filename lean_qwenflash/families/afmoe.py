@@ -1,0 +1,58 @@
+"""Arcee Trinity / AfMoE (AfmoeForCausalLM), as transformers implements it:
+
+- attention: GQA with per-head q/k RMSNorm before the rope, a sigmoid output gate from its own
+  ``gate_proj``, sliding-window layers (rope, window ``sliding_window``) and every
+  ``global_attn_every_n_layers``-th layer full attention *without* rope (``layer_types``);
+- sandwich norms: RMSNorms before and after both the attention and the MLP branch;
+- the first ``num_dense_layers`` layers dense, then sparse layers: sigmoid router
+  (``mlp.router.gate``) whose selection adds ``mlp.expert_bias``, weights renormalised (+1e-20) times
+  ``route_scale``; ungated shared experts (``num_shared_experts`` x ``moe_intermediate_size``);
+- muP input scaling (embeddings x sqrt(hidden_size)) when ``mup_enabled``.
+"""
+from __future__ import annotations
+
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
+from lean_qwenflash.families.gpt_oss import window_layer_types
+from lean_qwenflash.models.base import CausalLM, SandwichDecoderLayer, attention_head_dim, rotary_from_config
+from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SigmoidBiasRouter, SparseMoeBlock
+
+
+def facts(r: ConfigReader) -> MoEFacts:
+    n = r.positive("num_hidden_layers")
+    return MoEFacts(n, tuple(range(r.get("num_dense_layers", int, 1), n)), r.positive("num_experts"),
+                    r.positive("num_experts_per_tok"), r.positive("hidden_size"), r.positive("moe_intermediate_size"))
+
+
+def build(config: dict) -> CausalLM:
+    r = ConfigReader(config, "AfmoeForCausalLM")
+    f = facts(r)
+    hidden = f.hidden_size
+    eps = r.get("rms_norm_eps", float, 1e-5)
+    head_dim = attention_head_dim(config)
+    types = window_layer_types(r, f.num_layers, r.positive("global_attn_every_n_layers", 4))
+    window = r.positive("sliding_window") if "sliding_attention" in types else None
+    heads = r.positive("num_attention_heads")
+    sparse = set(f.moe_layers)
+    shared = f.expert_intermediate * r.get("num_shared_experts", int, 0)
+    layers = []
+    for i, kind in enumerate(types):
+        local = kind == "sliding_attention"
+        attn = Attention(hidden, heads, r.get("num_key_value_heads", int, heads), head_dim, norm_eps=eps,
+                         bias=r.get("attention_bias", bool, False), qk_norm="head", gate_proj=True,
+                         sliding_window=window if local else None, use_rope=local)
+        if i in sparse:
+            router = SigmoidBiasRouter(hidden, f.num_experts, f.top_k, r.get("route_scale", float, 1.0))
+            mlp = SparseMoeBlock(router, i, hidden, shared, router_name="router.gate", shared_gated=False)
+            mlp.add_expert_bias()
+        else:
+            mlp = MLP(hidden, r.positive("intermediate_size"))
+        layers.append(SandwichDecoderLayer("self_attn", attn, "mlp", mlp, [RMSNorm(hidden, eps) for _ in range(4)]))
+    model = CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))
+    model.sliding_window = window
+    if r.get("mup_enabled", bool, False):
+        model.embed_scale = hidden ** 0.5
+    return model
+
+
+FAMILY = Family(name="afmoe", architectures=("AfmoeForCausalLM",), model_types=("afmoe",),
+                layout=ExpertLayout(), facts_fn=facts, build_fn=build)
