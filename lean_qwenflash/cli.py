@@ -197,6 +197,11 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--no-prefetch", action="store_true", help="turn layer-ahead prefetch off")
 
 
+def _hf_architectures() -> list[str]:
+    from .families import supported_architectures
+    return supported_architectures()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lean-qwenflash",
@@ -215,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "A GGUF file's experts and quantized matrices are copied byte for byte; its "
                                     "tokenizer and chat template come from its metadata. Streams one tensor at a "
                                     "time, so checkpoints larger than RAM pack fine; the output appears only when "
-                                    "complete. GGUF architectures: qwen3moe, qwen3next, olmoe, llama (Mixtral).")
+                                    "complete. Hugging Face architectures: " + ", ".join(_hf_architectures()) +
+                                    ". GGUF architectures: qwen3moe, qwen3next, olmoe, llama (Mixtral).")
     pk.add_argument("hf_dir", metavar="SOURCE",
                     help="checkpoint directory (e.g. one downloaded with `huggingface-cli download`) or GGUF file")
     pk.add_argument("out_dir", help="pack directory to create (must not exist unless --force)")
