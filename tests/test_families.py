@@ -131,3 +131,50 @@ def test_gpt_oss_sliding_window_cache_stays_bounded_and_long_prompts_match():
             assert layer.num_tokens == 300 and layer.keys.shape[2] >= 300
     snapshot = state.clone()            # prefix snapshots of a window layer stay bounded too
     assert snapshot.layers[0].nbytes() == state.layers[0].nbytes() < state.layers[1].nbytes() / 30
+
+
+def test_gpt_oss_mxfp4_checkpoint_packs_dequantized_exactly(tmp_path):
+    """GPT-OSS checkpoints ship MXFP4 experts (``*_blocks`` / ``*_scales``): the packer dequantizes
+    them to bf16 (exact) and says so; the model then computes what transformers computes with the
+    dequantized weights."""
+    import json as _json
+
+    from safetensors.torch import save_file
+
+    from lean_qwenflash.quant import mxfp4
+    from lean_qwenflash.store import ExpertStore
+
+    import copy
+
+    c = hf_models.case("gpt_oss", "quant")
+    model = copy.deepcopy(c.hf_model)           # the shared case stays as it was
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            linear = state.pop(key).transpose(1, 2).contiguous()          # [E, rows, cols], as the products
+            blocks, scales = mxfp4.quantize(linear)
+            state[key + "_blocks"], state[key + "_scales"] = blocks, scales
+            # the reference: transformers with the dequantized weights
+            model.get_parameter(key).copy_(mxfp4.dequantize(blocks, scales).transpose(1, 2))
+    src = tmp_path / "mxfp4"
+    src.mkdir()
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(c.config, quantization_config={"quant_method": "mxfp4"})
+    (src / "config.json").write_text(_json.dumps(config))
+    out = tmp_path / "pack"
+    manifest = pack(src, out, progress=False)
+    assert any("MXFP4" in n and "bfloat16" in n for n in manifest.notes), manifest.notes
+    with ExpertStore.open(out) as store:
+        rec = store.read_expert(store.moe_layers[0], 1)
+        blocks = state[f"model.layers.{store.moe_layers[0]}.mlp.experts.gate_up_proj_blocks"][1]
+        scales = state[f"model.layers.{store.moe_layers[0]}.mlp.experts.gate_up_proj_scales"][1]
+        want = mxfp4.dequantize(blocks, scales)
+        assert rec.gate_up.dtype == torch.bfloat16
+        assert torch.equal(rec.gate_up.float(), torch.cat((want[0::2], want[1::2])))
+    # The same experts widened to fp32 (exact), run in fp32: transformers' logits.
+    pack(src, tmp_path / "pack32", dtype="float32", progress=False)
+    prompt = hf_models.prompt_ids(96)
+    with torch.no_grad():
+        ref = model(prompt).logits
+    with Runtime.open(load_config(model=str(tmp_path / "pack32"), host_cache_bytes="8MiB")) as rt:
+        torch.testing.assert_close(rt.model(prompt), ref, rtol=1e-4, atol=1e-5)

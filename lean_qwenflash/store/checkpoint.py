@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from lean_qwenflash.quant import mxfp4
+
 from . import naming
 
 ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -35,6 +37,7 @@ class ExpertIndex:
 
     per_expert: dict = field(default_factory=dict)   # (layer, expert, role) -> key
     stacked: dict = field(default_factory=dict)      # (layer, "gate_up"|"down") -> key
+    mxfp4: dict = field(default_factory=dict)        # (layer, "gate_up"|"down", "blocks"|"scales") -> key
 
 
 class ConfigExperts:
@@ -113,6 +116,8 @@ class HFCheckpoint(ConfigExperts):
                 if canon in self.resident_keys:
                     raise CheckpointError(f"tensors {self.resident_keys[canon]} and {k} are the same weight")
                 self.resident_keys[canon] = k
+            elif ek.form:
+                self.experts.mxfp4[(ek.layer_idx, ek.part, ek.form)] = k
             elif ek.expert_id is None:
                 self.experts.stacked[(ek.layer_idx, ek.part)] = k
             else:
@@ -152,6 +157,17 @@ class HFCheckpoint(ConfigExperts):
         if self.names.stacked_transposed:
             want_stacked = {"gate_up": (num_experts, hidden, 2 * inter), "down": (num_experts, inter, hidden)}
         for layer in sorted(layers):
+            if (layer, "gate_up", "blocks") in self.experts.mxfp4:
+                rows_cols = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+                for p, (rows, cols) in rows_cols.items():
+                    for form, shape in (("blocks", (num_experts, rows, cols // 32, 16)),
+                                        ("scales", (num_experts, rows, cols // 32))):
+                        k = self.experts.mxfp4.get((layer, p, form))
+                        if k is None:
+                            missing.append(f"model.layers.{layer}.{self.names.moe_module}.experts.{p}_proj_{form}")
+                        elif self.shape(k) != shape:
+                            wrong.append(f"tensor {k!r} has shape {self.shape(k)}, the model expects {shape}")
+                continue
             stacked = {p: self.experts.stacked.get((layer, p)) for p in ("gate_up", "down")}
             if all(stacked.values()):
                 for p, k in stacked.items():
@@ -166,7 +182,8 @@ class HFCheckpoint(ConfigExperts):
                     elif self.shape(k) != shape:
                         wrong.append(f"tensor {k!r} has shape {self.shape(k)}, the model expects {shape}")
         extra = sorted({k for (l, _, _), k in self.experts.per_expert.items() if l not in layers} |
-                       {k for (l, _), k in self.experts.stacked.items() if l not in layers})
+                       {k for (l, _), k in self.experts.stacked.items() if l not in layers} |
+                       {k for (l, _, _), k in self.experts.mxfp4.items() if l not in layers})
         problems = []
         if missing:
             problems.append(f"missing routed-expert tensors ({len(missing)}): {', '.join(missing[:5])}"
@@ -181,6 +198,15 @@ class HFCheckpoint(ConfigExperts):
     def expert(self, layer_idx: int, expert_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) of one expert, read from whichever layout is on disk."""
         stacked = self.experts.stacked
+        if (layer_idx, "gate_up", "blocks") in self.experts.mxfp4:
+            q = self.experts.mxfp4
+            # Stored as the products' own [rows, cols] (not transposed); exact in bf16.
+            gate_up, down = (mxfp4.dequantize(self._slice(q[(layer_idx, p, "blocks")])[expert_id],
+                                              self._slice(q[(layer_idx, p, "scales")])[expert_id]).to(torch.bfloat16)
+                             for p in ("gate_up", "down"))
+            if self.names.gate_up_interleaved:
+                gate_up = torch.cat((gate_up[0::2], gate_up[1::2]), dim=0)
+            return gate_up, down
         if (layer_idx, "gate_up") in stacked:
             gate_up = self._slice(stacked[(layer_idx, "gate_up")])[expert_id]
             down = self._slice(stacked[(layer_idx, "down")])[expert_id]
@@ -194,7 +220,17 @@ class HFCheckpoint(ConfigExperts):
         up = self.get(k[(layer_idx, expert_id, "up")])
         return torch.cat([gate, up], dim=0), self.get(k[(layer_idx, expert_id, "down")])
 
+    @property
+    def source_notes(self) -> list[str]:
+        """What the pack should say about how the source was read."""
+        if self.experts.mxfp4:
+            return ["experts stored as MXFP4 were dequantized to bfloat16 (exact: every MXFP4 value is a "
+                    "bfloat16 value; the pack format has no mxfp4 encoding yet, so they take 4x the bytes)"]
+        return []
+
     def expert_dtype(self) -> torch.dtype:
+        if self.experts.mxfp4:
+            return torch.bfloat16
         keys = list(self.experts.stacked.values()) + list(self.experts.per_expert.values())
         dtypes = {self.dtype(k) for k in keys}
         if len(dtypes) > 1:

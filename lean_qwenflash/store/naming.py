@@ -37,6 +37,7 @@ class ExpertKey:
     layer_idx: int
     expert_id: Optional[int]    # None for a stacked [E, ...] tensor
     part: str                   # "gate", "up", "down" (per-expert) or "gate_up", "down" (stacked)
+    form: str = ""              # "blocks" / "scales": a stacked MXFP4 tensor (GPT-OSS checkpoints)
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -61,6 +62,10 @@ def parse_expert_key(names: ExpertLayout, key: str) -> Optional[ExpertKey]:
         tail = rest[len(prefix):]
         if tail in names.resident_suffixes:
             return None
+        for proj, part in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+            for form in ("blocks", "scales"):
+                if tail == f"{proj}_{form}":
+                    return ExpertKey(layer_idx, None, part, form)
         if tail in ("gate_up_proj", "down_proj"):
             return ExpertKey(layer_idx, None, "gate_up" if tail == "gate_up_proj" else "down")
         parts = tail.split(".")
