@@ -6,7 +6,8 @@ model family, on this machine's CPU.
     python bench/decode.py --device cuda --dtype bfloat16      # the same comparison on a GPU
 
 Builds a seeded random checkpoint (~1-2 GB fp32) of the family's shape in a temp dir with
-transformers, loads it with ``load_hf_checkpoint``, then times both runtimes: prefill = one forward
+transformers, packs it and opens the pack with ``Runtime`` (all experts resident: what a user
+runs; on CUDA ``load_hf_checkpoint``), then times both runtimes: prefill = one forward
 over the prompt that fills the cache (best of two); decode = greedy one-token steps continuing
 that cache, timed in segments that alternate between the runtimes so that other load on a shared
 machine hits both alike. With ``--streamed`` (CPU) the checkpoint is also packed and decoded
@@ -178,14 +179,12 @@ def compare(runners: dict, prompt: torch.Tensor, num_decode: int, rounds: int = 
     return {name: (prefill_s[name], decode_s[name], runners[name].tokens) for name in runners}
 
 
-def streamed(tmp: str, prompt: torch.Tensor, num_decode: int) -> dict:
-    """Decode from a pack of the checkpoint, host cache = half the expert records, prefetch on."""
+def streamed(out: str, prompt: torch.Tensor, num_decode: int) -> dict:
+    """Decode from the pack, host cache = half the expert records, prefetch on."""
     from lean_qwenflash.config import load_config
     from lean_qwenflash.runtime import Runtime
-    from lean_qwenflash.store import ExpertStore, pack
+    from lean_qwenflash.store import ExpertStore
 
-    out = os.path.join(tmp, "pack")
-    pack(tmp, out, progress=False)
     with ExpertStore.open(out) as store:
         cache = (store.manifest.num_records // 2) * store.max_record_bytes
     with Runtime.open(load_config(model=out, host_cache_bytes=cache, prefetch=True)) as rt:
@@ -203,12 +202,25 @@ def streamed(tmp: str, prompt: torch.Tensor, num_decode: int) -> dict:
 def run_family(family: str, args) -> dict:
     dtype = getattr(torch, args.dtype)
     arch, config = BENCH_CONFIGS[family]
+    from lean_qwenflash.config import load_config
+    from lean_qwenflash.runtime import Runtime
+    from lean_qwenflash.store import pack
+
     with tempfile.TemporaryDirectory(prefix="lqf-bench-") as tmp:
         t0 = time.perf_counter()
         hf_model = make_checkpoint(tmp, args.seed, family).to(device=args.device, dtype=dtype)
-        ours, provider = load_hf_checkpoint(tmp, dtype=dtype, device=args.device)
+        rt = None
+        if args.device == "cpu":
+            # What a user runs: the pack, opened by Runtime (native kernels, decode thread setup),
+            # every expert resident.
+            out = os.path.join(tmp, "pack")
+            pack(tmp, out, dtype=args.dtype, progress=False)
+            rt = Runtime.open(load_config(model=out, dtype=args.dtype), resident_experts=True)
+            ours, size_bytes = rt.model, sum(p.nbytes for p in rt.model.parameters()) + rt.provider.nbytes()
+        else:
+            ours, provider = load_hf_checkpoint(tmp, dtype=dtype, device=args.device)
+            size_bytes = sum(p.nbytes for p in ours.parameters()) + provider.nbytes()
         setup_s = time.perf_counter() - t0
-        size_bytes = sum(p.nbytes for p in ours.parameters()) + provider.nbytes()
         prompt = torch.randint(0, config["vocab_size"], (1, args.prompt_tokens),
                                generator=torch.Generator().manual_seed(1)).to(args.device)
         load_before = os.getloadavg()[0]
@@ -216,7 +228,9 @@ def run_family(family: str, args) -> dict:
                            "transformers": TransformersRunner(hf_model, args.device)}, prompt, args.decode_tokens)
         load_after = os.getloadavg()[0]
         del hf_model
-        stream = streamed(tmp, prompt, args.decode_tokens) if args.streamed and args.device == "cpu" else None
+        if rt is not None:
+            rt.close()
+        stream = streamed(out, prompt, args.decode_tokens) if args.streamed and rt is not None else None
     (ours_prefill, ours_decode, ours_tokens), (hf_prefill, hf_decode, hf_tokens) = results["ours"], results["transformers"]
     same = next((i for i, (a, b) in enumerate(zip(ours_tokens, hf_tokens)) if a != b), len(ours_tokens))
     rows = {
@@ -261,7 +275,7 @@ def main() -> None:
         print(f"{family}: {r['model']['bytes'] / 1e9:.2f} GB {args.dtype} on {args.device}, setup {r['setup_s']:.0f}s, "
               f"load {r['load_average_1min'][0]:.1f}->{r['load_average_1min'][1]:.1f}", flush=True)
     head = f"{'family':<13}{'GB':>6}{'prefill ours':>14}{'hf':>9}{'ratio':>7}{'decode ours':>13}{'hf':>8}{'ratio':>7}" \
-           f"{'same':>6}"
+           f"{'same':>9}"
     if args.streamed:
         head += f"{'streamed':>10}{'pf prec':>9}{'pf rec':>8}"
     print(head)
@@ -269,7 +283,7 @@ def main() -> None:
         line = (f"{r['family']:<13}{r['model']['bytes'] / 1e9:>6.2f}{r['ours']['prefill_tok_s']:>14.1f}"
                 f"{r['transformers']['prefill_tok_s']:>9.1f}{r['ratio']['prefill_tok_s']:>7.2f}"
                 f"{r['ours']['decode_tok_s']:>13.2f}{r['transformers']['decode_tok_s']:>8.2f}"
-                f"{r['ratio']['decode_tok_s']:>7.2f}{r['greedy_identical_steps']:>3}/{args.decode_tokens:<3}")
+                f"{r['ratio']['decode_tok_s']:>7.2f}{str(r['greedy_identical_steps']) + '/' + str(args.decode_tokens):>9}")
         if r["streamed"]:
             st = r["streamed"]
             line += f"{st['decode_tok_s']:>10.2f}{st['prefetch_precision']:>9.2f}{st['prefetch_recall']:>8.2f}"

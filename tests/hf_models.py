@@ -189,11 +189,15 @@ VARIANTS = {
                             norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=True),
         # every second layer sparse.
         "sparse_step": dict(decoder_sparse_step=2, num_experts_per_tok=3),
+        # sliding-window attention (window 8 < the 40-token prompt) on every layer.
+        "window": dict(use_sliding_window=True, sliding_window=8),
     },
     "mixtral": {
         "base": {},
         "gqa4": dict(hidden_size=72, num_attention_heads=8, num_key_value_heads=2, head_dim=12,
                      num_local_experts=6, num_experts_per_tok=3),
+        # Mistral-style sliding window on every layer (window 8 < the 40-token prompt).
+        "window": dict(sliding_window=8),
     },
     "olmoe": {
         "base": {},

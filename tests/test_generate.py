@@ -184,3 +184,13 @@ def test_interleaved_steps_equal_separate_runs(gen):
                 out[i].append(token)
     assert out[0] == list(g.generate(prompt, greedy, 9))
     assert out[1] == list(g.generate(other, SamplingParams(temperature=1.0, seed=5), 7))
+
+
+def test_stop_during_a_long_prefill_ends_before_the_next_chunk(gen):
+    g, prompt = gen
+    chunked = Generator(g.model, prefill_chunk_tokens=4)
+    run = chunked.start(prompt, SamplingParams(temperature=0), 8)
+    assert run.step() is None and run.state.num_tokens == 4          # one chunk
+    run.stop("cancelled")
+    run.step()
+    assert run.done and run.finish_reason == "cancelled" and run.state.num_tokens == 4 and run.num_generated == 0

@@ -119,6 +119,9 @@ class Generation:
         # Prefill in chunks, snapshotting at the caller's checkpoints and at the prompt's end.
         for mark in self.checkpoints + [len(prompt)]:
             while pos < mark:
+                if self._stop_request is not None:      # e.g. the client left during a long prefill
+                    self.finish_reason = self._stop_request
+                    return
                 end = min(mark, pos + gen.prefill_chunk_tokens)
                 logits = gen.feed(prompt[pos:end], state, last_logits_only=True)
                 pos = end

@@ -511,7 +511,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
             else:
                 out = torch.zeros_like(x)
                 for e, w, (_, weight) in zip(expert_ids, experts, pairs):
-                    out.add_(expert_fn(x, w, e), alpha=weight)
+                    out.add_(expert_fn(x, w, e, mode, isa), alpha=weight)
         finally:
             provider.release(layer_idx, expert_ids)
         return out
@@ -535,7 +535,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
             for e, w, count in zip(ids, experts, counts[start:start + group]):
                 rows = token_of[pos:pos + count]
                 xs = x.index_select(0, rows)
-                y = (kernels.expert_mlp(xs, w) if expert_fn is None else expert_fn(xs, w, e))
+                y = (kernels.expert_mlp(xs, w) if expert_fn is None else expert_fn(xs, w, e, mode, isa))
                 y = y.mul_(weight_of[pos:pos + count, None])
                 out.index_add_(0, rows, y)
                 pos += count
@@ -707,14 +707,23 @@ class ClampedSwiGLUExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts, 2 * intermediate))
         self.down_proj_bias = nn.Parameter(torch.zeros(num_experts, hidden_size))
         self.alpha, self.limit, self.intermediate = alpha, limit, intermediate
+        self._gate_first_bias = None
 
-    def __call__(self, x: torch.Tensor, expert, expert_id: int) -> torch.Tensor:
-        b = self.gate_up_proj_bias[expert_id]
-        h = F.linear(x, kernels.as_float(expert.gate_up, x.dtype, "gate_up"), torch.cat((b[0::2], b[1::2])))
+    def _product(self, x, weight, role: str, mode: str, isa: str) -> torch.Tensor:
+        if mode == "fast" and x.shape[0] == 1 and x.device.type == "cpu" and native.supports(weight):
+            # decode: the native GEMV on the record as stored, on the native threads
+            return native.gemv(weight, x, isa=isa).view(1, -1).to(x.dtype)
+        return F.linear(x, kernels.as_float(weight, x.dtype, role))
+
+    def __call__(self, x: torch.Tensor, expert, expert_id: int, mode: str = "exact", isa: str = "auto") -> torch.Tensor:
+        if self._gate_first_bias is None or self._gate_first_bias.device != x.device:
+            b = self.gate_up_proj_bias.detach()
+            self._gate_first_bias = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)      # the records' row order
+        h = self._product(x, expert.gate_up, "gate_up", mode, isa) + self._gate_first_bias[expert_id].to(x.dtype)
         gate = h[:, :self.intermediate].clamp(max=self.limit)
         up = h[:, self.intermediate:].clamp(-self.limit, self.limit)
         act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return F.linear(act, kernels.as_float(expert.down, x.dtype, "down"), self.down_proj_bias[expert_id])
+        return self._product(act, expert.down, "down", mode, isa) + self.down_proj_bias[expert_id].to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):
