@@ -47,7 +47,24 @@ from lean_qwenflash.store.checkpoint import StreamingSafetensorsWriter  # noqa: 
 from common import can_limit_memory, run_json_worker  # noqa: E402
 
 
-def model_config(experts_gib: float) -> dict:
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+
+
+def model_config(experts_gib: float, family: str = "qwen3_next") -> dict:
+    """The synthetic model: Qwen3-Next's shape at --experts-gib, or another family's bench/decode.py
+    shape with as many experts per layer as make --experts-gib (a multiple of 8)."""
+    if family != "qwen3_next":
+        from decode import BENCH_CONFIGS
+        from lean_qwenflash.families import moe_facts
+
+        arch, values = BENCH_CONFIGS[family]
+        config = dict(values, architectures=[arch])
+        facts = moe_facts(config)
+        record = fmt.align_up(3 * facts.hidden_size * facts.expert_intermediate * 2)
+        experts = max(16, int(experts_gib * 2**30 / (record * len(facts.moe_layers))) // 8 * 8)
+        key = next(k for k in EXPERT_COUNT_KEYS if k in config)
+        config[key] = experts
+        return config
     hidden, inter, layers = 2048, 512, 16
     record = fmt.align_up(3 * hidden * inter * 2)
     experts = max(16, int(experts_gib * 2**30 / (record * layers)))
@@ -67,6 +84,7 @@ def model_config(experts_gib: float) -> dict:
 
 def build_pack(out: Path, config: dict, seed: int = 0) -> None:
     """Write a pack directly (no HF checkpoint in between: that would double the disk writes)."""
+    from lean_qwenflash.families import family_for, moe_facts
     from lean_qwenflash.io_engine import crc32c
     from lean_qwenflash.models.loader import family_of
 
@@ -78,15 +96,22 @@ def build_pack(out: Path, config: dict, seed: int = 0) -> None:
         model = family_of(config).build(config)
     entries = [(k, tuple(v.shape), torch.bfloat16) for k, v in model.state_dict().items()]
     writer = StreamingSafetensorsWriter(out / fmt.RESIDENT, entries)
+    zero_centred = family_for(config).name in ("qwen3_next", "qwen3_5_moe")
     for name, shape, dtype in entries:
         t = torch.randn(shape, generator=gen)
-        t = t * (0.1 if len(shape) == 1 else shape[-1] ** -0.5)
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
+            t = t * 0.01                        # selection-only biases: small, or they alone pick the experts
+        elif len(shape) == 1:
+            t = t * 0.1 + (0.0 if zero_centred or not name.endswith("norm.weight") else 1.0)
+        else:
+            t = t * shape[-1] ** -0.5
         writer.write(name, t.to(dtype))
     writer.close()
-    hidden, inter, num_experts = config["hidden_size"], config["moe_intermediate_size"], config["num_experts"]
+    facts = moe_facts(config)
+    hidden, inter, num_experts = facts.hidden_size, facts.expert_intermediate, facts.num_experts
     layers, offset = [], 0
-    for i in range(config["num_hidden_layers"]):
-        rec = fmt.layout_layer(i, num_experts, hidden, inter, "bf16", offset, i * num_experts)
+    for n, i in enumerate(facts.moe_layers):
+        rec = fmt.layout_layer(i, num_experts, hidden, inter, "bf16", offset, n * num_experts)
         layers.append(rec)
         offset += rec.num_experts * rec.record_bytes
     crcs = []
@@ -104,7 +129,7 @@ def build_pack(out: Path, config: dict, seed: int = 0) -> None:
         f.flush()
         os.fsync(f.fileno())
     (out / fmt.EXPERTS_IDX).write_bytes(fmt.encode_idx(crcs))
-    manifest = fmt.Manifest("Qwen3NextForCausalLM", "qwen3_next", config, layers, offset,
+    manifest = fmt.Manifest(config["architectures"][0], family_for(config).name, config, layers, offset,
                             created_by="bench/stream.py (synthetic)")
     (out / fmt.MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1))
 
@@ -122,7 +147,7 @@ def skew_pack(src: Path, out: Path, seed: int = 1) -> None:
     tensors = load_file(str(src / fmt.RESIDENT))
     gen = torch.Generator().manual_seed(seed)
     for k, v in tensors.items():
-        if k.endswith(".mlp.gate.weight"):
+        if k.endswith((".mlp.gate.weight", ".mlp.router.weight", ".mlp.router.gate.weight")):
             ranks = torch.randperm(v.shape[0], generator=gen).float()
             scale = 1 + 7 * (ranks + 1) ** -1.2
             tensors[k] = (v.float() * scale[:, None]).to(v.dtype)
@@ -245,15 +270,20 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads in the workers")
     ap.add_argument("--skip-cached", action="store_true", help="skip the fully cached vs resident comparison")
     ap.add_argument("--quant", default="q4_k_m", help="also run a pack re-encoded with this preset (none: skip)")
-    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "stream.json"))
+    ap.add_argument("--family", default="qwen3_next", help="model family of the synthetic pack (bench/decode.py's "
+                                                          "shapes for the others)")
+    ap.add_argument("--out", default=None, help="JSON (default bench/results/stream[-FAMILY].json)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
 
-    root = Path(args.dir)
-    config = model_config(args.experts_gib)
+    root = Path(args.dir) if args.family == "qwen3_next" else Path(args.dir) / args.family
+    if args.out is None:
+        args.out = str(REPO / "bench" / "results" / ("stream.json" if args.family == "qwen3_next"
+                                                      else f"stream-{args.family}.json"))
+    config = model_config(args.experts_gib, args.family)
     uniform, skewed = root / "uniform", root / "skewed"
     print(f"building the synthetic pack in {root} (once) ...", file=sys.stderr)
     build_pack(uniform, config)
@@ -283,8 +313,8 @@ def main() -> int:
                 probe_seconds=args.probe_seconds, threads=args.threads)
     print(f"experts {experts_bytes / 2**30:.1f} GiB ({experts_bytes / limit:.1f}x the {args.limit_gib} GiB limit); "
           f"host cache {args.host_cache_gib} GiB; "
-          f"record {fmt.align_up(3 * config['hidden_size'] * config['moe_intermediate_size'] * 2) / 2**20:.1f} MiB; "
-          f"top-{config['num_experts_per_tok']} of {config['num_experts']} experts x "
+          f"record {json.loads((uniform / 'manifest.json').read_text())['layers'][0]['record_bytes'] / 2**20:.1f} MiB; "
+          f"top-{config['num_experts_per_tok']} of {next(config[k] for k in EXPERT_COUNT_KEYS if k in config)} experts x "
           f"{config['num_hidden_layers']} layers", file=sys.stderr)
 
     rows = []

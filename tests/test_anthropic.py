@@ -16,7 +16,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_server import HAS_DEFAULT_MODEL, MODEL, ServerThread, _wait_cancelled, srv, tiny_runtime  # noqa: E402,F401
+from test_server import (HAS_DEFAULT_MODEL, MODEL, ServerThread, _wait_cancelled, default_srv, srv,  # noqa: E402,F401
+                         tiny_runtime)
 
 from lean_qwenflash.server.anthropic import (ContentBlocks, CountTokensRequest, MessagesRequest,  # noqa: E402
                                              to_chat_request)
@@ -291,21 +292,6 @@ def test_api_key_by_x_api_key_or_bearer(tiny_runtime, monkeypatch):
 
 
 # -- with the built-in default model ---------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def default_srv():
-    if not HAS_DEFAULT_MODEL:
-        pytest.skip("the built-in default model is missing from lean_qwenflash/default_model/")
-    from lean_qwenflash.config import load_config
-    from lean_qwenflash.runtime import Runtime
-    from lean_qwenflash.server.app import create_app
-
-    cfg = load_config(None)
-    with Runtime.open(cfg) as rt:
-        s = ServerThread(create_app(rt, cfg, model_name="default"))
-        yield s
-        s.stop()
-
 
 def test_tool_round_trip_with_default_model(default_srv):
     c = _client(default_srv)

@@ -22,7 +22,7 @@ from lean_qwenflash.server.constrain import answer_grammar  # noqa: E402
 from lean_qwenflash.generate.grammar import BannedTokens, GrammarError, GrammarHook  # noqa: E402
 from lean_qwenflash.runtime import DEFAULT_MODEL_DIR  # noqa: E402
 
-from test_server import HAS_DEFAULT_MODEL, ServerThread  # noqa: E402
+from test_server import default_srv  # noqa: E402,F401  (a fixture)
 
 
 def _fn(name, description, properties, required=(), **extra):
@@ -156,21 +156,6 @@ def test_no_constraint_means_no_grammar_and_bad_schemas_are_named(tok):
 
 
 # -- the server with the default model ------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def default_srv():
-    if not HAS_DEFAULT_MODEL:
-        pytest.skip("the built-in default model is missing from lean_qwenflash/default_model/ (CI has it)")
-    from lean_qwenflash.config import load_config
-    from lean_qwenflash.runtime import Runtime
-    from lean_qwenflash.server.app import create_app
-
-    cfg = load_config(None)
-    with Runtime.open(cfg) as rt:
-        s = ServerThread(create_app(rt, cfg, model_name="default"))
-        yield s
-        s.stop()
-
 
 def _cases(n):
     """n varied (prompt, tool set, seed) combinations."""

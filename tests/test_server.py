@@ -118,6 +118,20 @@ def srv(tiny_runtime):
     s.stop()
 
 
+@pytest.fixture(scope="module")
+def default_srv():
+    """A server on the built-in default model (it has learned to call tools)."""
+    if not HAS_DEFAULT_MODEL:
+        pytest.skip("the built-in default model is missing from lean_qwenflash/default_model/ (CI has it)")
+    from lean_qwenflash.server.app import create_app
+
+    cfg = load_config(None)
+    with Runtime.open(cfg) as rt:
+        s = ServerThread(create_app(rt, cfg, model_name="default"))
+        yield s
+        s.stop()
+
+
 USER = [{"role": "user", "content": "Write a haiku about disks."}]
 
 

@@ -158,6 +158,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
+def causal_mask(num_queries: int, num_keys: int, device) -> tuple[Optional[torch.Tensor], bool]:
+    """(attn_mask, is_causal) for SDPA when the queries are the last ``num_queries`` of
+    ``num_keys`` positions: SDPA's is_causal aligns top-left, so with a cache (the query block
+    sits bottom-right) an explicit mask is needed."""
+    num_past = num_keys - num_queries
+    if num_queries > 1 and num_past > 0:
+        cols = torch.arange(num_keys, device=device)
+        rows = torch.arange(num_queries, device=device) + num_past
+        return cols[None, :] <= rows[:, None], False
+    return None, num_queries > 1
+
+
 class Attention(nn.Module):
     """Causal GQA attention with a KV cache, via SDPA.
 
@@ -226,13 +238,7 @@ class Attention(nn.Module):
         else:
             if state is not None:
                 k, v = state.append(k, v)
-            num_past = k.shape[2] - num_tokens
-            mask, causal = None, num_tokens > 1
-            if num_tokens > 1 and num_past > 0:
-                # SDPA's is_causal aligns top-left; with a cache the query block sits bottom-right.
-                cols = torch.arange(k.shape[2], device=x.device)
-                rows = torch.arange(num_tokens, device=x.device) + num_past
-                mask, causal = cols[None, :] <= rows[:, None], False
+            mask, causal = causal_mask(num_tokens, k.shape[2], x.device)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  scale=self.head_dim ** -0.5,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
@@ -327,12 +333,7 @@ class LatentAttention(nn.Module):
         q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w_k)
         query = torch.cat((q_latent, q_rope), dim=-1)
         key = torch.cat((latent, k_rope), dim=-1)
-        num_past = key.shape[2] - num_tokens
-        mask, causal = None, num_tokens > 1
-        if num_tokens > 1 and num_past > 0:
-            cols = torch.arange(key.shape[2], device=x.device)
-            rows = torch.arange(num_tokens, device=x.device) + num_past
-            mask, causal = cols[None, :] <= rows[:, None], False
+        mask, causal = causal_mask(num_tokens, key.shape[2], x.device)
         out = F.scaled_dot_product_attention(query, key, latent, attn_mask=mask, is_causal=causal,
                                              scale=self.scaling, enable_gqa=True)   # [B, H, T, r]
         out = torch.einsum("bhtr,hvr->bthv", out, w_v).reshape(batch, num_tokens, -1)
