@@ -163,7 +163,7 @@ def worker_ours(spec: dict) -> dict:
             with torch.inference_mode():
                 logits = model(torch.tensor([spec["prompt"]]), state, last_logits_only=True)
                 if hasattr(rt.provider, "stats"):
-                    rt.provider.stats.reset()
+                    rt.provider.reset_stats()
                 out, before, t0 = [], read_bytes(), time.perf_counter()
                 for tok in stream:
                     out.append(int(logits[0, -1].argmax()))

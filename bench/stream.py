@@ -229,7 +229,7 @@ def worker(spec: dict) -> dict:
         times.append(time.perf_counter())
         tokens.append(tok)
         if len(tokens) == spec["warmup_tokens"] and hasattr(rt.provider, "stats"):
-            rt.provider.stats.reset()   # measure steady decode, not prefill
+            rt.provider.reset_stats()   # measure steady decode, not prefill
     decode_s = times[-1] - times[spec["warmup_tokens"] - 1] if spec["warmup_tokens"] else times[-1] - t0
     out.update(tokens=spec["tokens"], decode_tok_s=spec["tokens"] / decode_s, prefill_s=times[0] - t0,
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, token_ids=tokens)

@@ -333,3 +333,28 @@ def test_prefetch_without_a_routing_rule_is_an_error_not_silently_off(packs):
         tiers.close()
     finally:
         store.close()
+
+
+def test_reset_stats_forgets_earlier_prefetches(packs):
+    """Reads prefetched before a reset count neither as useful nor wasted after it (else precision
+    could exceed 1: bench/stream.py resets after warm-up)."""
+    store = ExpertStore.open(packs["qwen3_moe"])
+    first, second = store.moe_layers[:2]
+    hidden = int(store.config["hidden_size"])
+    guess = {l: (lambda h, n: torch.tensor([[0, 1]])) for l in store.moe_layers[1:]}   # always experts 0 and 1
+    tiers = TieredExperts(store, host_cache_bytes=16 * store.max_record_bytes, top_k=2, predictors=guess,
+                          prefetch=True)
+    try:
+        tiers.layer_input(first, torch.randn(1, hidden))
+        tiers.acquire(first, [2, 3])                 # pins layer 1, then prefetches layer 2's guess
+        tiers.release(first, [2, 3])
+        assert tiers.stats.total().prefetch_issued == 2
+        tiers.reset_stats()
+        tiers.layer_input(second, torch.randn(1, hidden))
+        tiers.acquire(second, [0, 1])
+        tiers.release(second, [0, 1])
+        t = tiers.stats.total()
+        assert t.prefetch_useful == 0 and t.hits_host == 2      # (it prefetches the next layer again: issued 2)
+    finally:
+        tiers.close()
+        store.close()

@@ -134,6 +134,12 @@ class TieredExperts(ExpertProvider):
             self._host_events.pop(slot).synchronize()        # a copy still reads this slot
         return slot
 
+    def reset_stats(self) -> None:
+        """Start the statistics afresh: counters to zero, and reads prefetched before now no longer
+        count as useful or wasted later (else precision could exceed 1 after a reset)."""
+        self.stats.reset()
+        self._prefetched = [False] * len(self._prefetched)
+
     def _evicted(self, slot: int, old_key) -> None:
         if self._prefetched[slot]:
             self._prefetched[slot] = False
