@@ -54,6 +54,8 @@ class Generation:
         self.state = state
         self.hooks = list(hooks)
         self.cached_tokens = state.num_tokens       # prompt tokens reused from a snapshot
+        # where snapshots go: nowhere when the state cannot say which tokens it holds
+        self.cache = gen.prefix_cache if state.tokens is not None else None
         self.checkpoints = sorted(p for p in set(checkpoints) if self.cached_tokens < p < len(prompt_ids))
         self.num_generated = 0
         self.prefilled = False
@@ -98,8 +100,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        cache = self.generator.prefix_cache
-        if cache is None or not cache.enabled or self.state.tokens is None or self.finish_reason == "error":
+        cache = self.cache
+        if cache is None or self.finish_reason == "error":
             return      # (an interrupted step may have left the state half-updated: never keep it)
         if self._boundary is not None:
             cache.put(self._boundary, copy=False)
@@ -109,8 +111,7 @@ class Generation:
     # -- the loop -------------------------------------------------------------------------------
 
     def _run(self):
-        gen, state, prompt = self.generator, self.state, self.prompt_ids
-        cache = gen.prefix_cache if gen.prefix_cache is not None and gen.prefix_cache.enabled else None
+        gen, state, prompt, cache = self.generator, self.state, self.prompt_ids, self.cache
         if self.max_new_tokens == 0:
             self.finish_reason = "length"
             return
@@ -123,7 +124,7 @@ class Generation:
                     self.finish_reason = self._stop_request
                     return
                 end = min(mark, pos + gen.prefill_chunk_tokens)
-                logits = gen.feed(prompt[pos:end], state, last_logits_only=True)
+                logits = gen.feed(prompt[pos:end], state)
                 pos = end
                 if pos < len(prompt):
                     yield None
@@ -176,7 +177,8 @@ class Generator:
             raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
         self.model = model
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.prefix_cache = prefix_cache
+        # None when there is no cache or it is off (capacity 0): one test everywhere below
+        self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         embed = model.model.embed_tokens
         self.device = (embed.qweight.raw if embed.qweight is not None else embed.weight).device
         self.vocab_size = embed.num_embeddings
@@ -185,14 +187,14 @@ class Generator:
     def new_state(self) -> ModelState:
         return new_state(self.model)
 
-    def feed(self, token_ids: Sequence[int], state: ModelState, last_logits_only: bool = True) -> torch.Tensor:
+    def feed(self, token_ids: Sequence[int], state: ModelState) -> torch.Tensor:
         """Run ``token_ids`` through the model, continuing ``state``; the logits [V] after the last."""
         if len(token_ids) == 1:
             self._token_buf.fill_(int(token_ids[0]))
             ids = self._token_buf
         else:
             ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
-        logits = self.model(ids, state, last_logits_only=last_logits_only)[0, -1]
+        logits = self.model(ids, state, last_logits_only=True)[0, -1]
         if state.tokens is not None:
             state.tokens.extend(int(t) for t in token_ids)
         return logits
@@ -222,7 +224,7 @@ class Generator:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if state is None and self.prefix_cache is not None and self.prefix_cache.enabled:
+        if state is None and self.prefix_cache is not None:
             state = self.prefix_cache.lookup(prompt_ids)
         if state is None:
             state = self.new_state()

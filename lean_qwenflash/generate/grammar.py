@@ -110,29 +110,19 @@ class GrammarHook(TokenHook):
     server's thinking ``Steering``), so the token that closes the think block is not fed to it.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, lark: str, gate: Optional[Callable[[], bool]] = None,
-                 device="cpu"):
+    def __init__(self, tokenizer, vocab_size: int, lark: str, gate: Optional[Callable[[], bool]] = None):
         llg = _llguidance()
-        self.lltok = grammar_tokenizer(tokenizer, vocab_size)
-        self.matcher = llg.LLMatcher(self.lltok, lark, log_level=1)
+        self.matcher = llg.LLMatcher(grammar_tokenizer(tokenizer, vocab_size), lark, log_level=1)
         if self.matcher.is_error():
             raise GrammarError(f"grammar rejected: {self.matcher.get_error()}")
         self.gate = gate
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self._bits = np.zeros(self.words, dtype=np.int32)
-        self._neg_inf = None
-        self.device = device
-        self.masked_tokens = 0            # tokens sampled under the mask (for stats)
 
     @property
     def active(self) -> bool:
         return self.gate is None or self.gate()
-
-    @property
-    def accepting(self) -> bool:
-        """The output so far is a complete sentence of the grammar."""
-        return self.matcher.is_accepting()
 
     def allowed(self) -> torch.Tensor:
         """bool [vocab_size]: the tokens the grammar allows next."""
@@ -145,11 +135,8 @@ class GrammarHook(TokenHook):
             return logits
         if self.matcher.is_error():
             raise GrammarError(f"grammar matcher failed: {self.matcher.get_error()}")
-        self.masked_tokens += 1
         allowed = self.allowed().to(logits.device)[:logits.shape[-1]]
-        if self._neg_inf is None or self._neg_inf.shape != logits.shape or self._neg_inf.device != logits.device:
-            self._neg_inf = torch.full_like(logits, float("-inf"))
-        return torch.where(allowed, logits, self._neg_inf.to(logits.dtype))
+        return torch.where(allowed, logits, float("-inf"))
 
     def observe(self, token_id: int) -> None:
         if not self.active:
@@ -163,11 +150,13 @@ class BannedTokens(TokenHook):
 
     def __init__(self, token_ids: Iterable[int]):
         self.ids = sorted(set(int(t) for t in token_ids))
-        self._index = None
+        self._index = None              # (device, vocabulary size, the ids within it), made once
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         if not self.ids:
             return logits
-        if self._index is None or self._index.device != logits.device:
-            self._index = torch.tensor(self.ids, dtype=torch.long, device=logits.device)
-        return logits.index_fill(0, self._index[self._index < logits.shape[-1]], float("-inf"))
+        n = logits.shape[-1]
+        if self._index is None or self._index[:2] != (logits.device, n):
+            self._index = (logits.device, n, torch.tensor([i for i in self.ids if i < n], dtype=torch.long,
+                                                          device=logits.device))
+        return logits.index_fill(0, self._index[2], float("-inf"))

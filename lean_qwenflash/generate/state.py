@@ -71,7 +71,6 @@ class SlidingKVCache:
             self.keys = k.new_zeros(k.shape[:2] + (self.window, k.shape[3]))
             self.values = v.new_zeros(v.shape[:2] + (self.window, v.shape[3]))
             self.positions = torch.full((self.window,), -1, dtype=torch.long, device=k.device)
-        new_pos = torch.arange(self.num_tokens, self.num_tokens + num_new, device=k.device)
         if num_new == 1:       # decode: the new token takes the oldest slot, then the ring is the window
             slot = self.num_tokens % self.window
             self.keys[:, :, slot] = k[:, :, 0]
@@ -79,6 +78,7 @@ class SlidingKVCache:
             self.positions[slot] = self.num_tokens
             self.num_tokens += 1
             return self.keys, self.values, self.positions
+        new_pos = torch.arange(self.num_tokens, self.num_tokens + num_new, device=k.device)
         keys, values = torch.cat((self.keys, k), dim=2), torch.cat((self.values, v), dim=2)
         positions = torch.cat((self.positions, new_pos))
         keep = min(num_new, self.window)

@@ -219,7 +219,8 @@ class Engine:
         self.metrics.running.set(len(self._active))
 
     def _admit(self, job: Job) -> None:
-        """Start ``job`` (worker thread, lock held)."""
+        """Start ``job`` (worker thread, without the lock: ``start`` validates the prompt and looks
+        up the prefix cache, which ``submit`` on the event loop must not wait for)."""
         if job.cancelled.is_set():
             self.metrics.cancelled.inc()
             job.emit("done", {"finish_reason": "cancelled"})
@@ -231,7 +232,10 @@ class Engine:
             log.exception("generation failed to start")
             job.emit("error", f"generation failed: {type(exc).__name__}: {exc}")
             return
-        self._active.append(_Run(job, generation, self.metrics))
+        with self._cond:
+            if self._closed:            # close() came while it started: it ends as the others do
+                job.cancel()
+            self._active.append(_Run(job, generation, self.metrics))
 
     def _worker(self) -> None:
         while True:
@@ -240,8 +244,11 @@ class Engine:
                     self._cond.wait()
                 if self._closed and not self._active:
                     return
-                while self._queue and len(self._active) < self.max_active:
-                    self._admit(self._queue.popleft())
+                admitting = [self._queue.popleft()
+                             for _ in range(min(len(self._queue), self.max_active - len(self._active)))]
+            for job in admitting:
+                self._admit(job)
+            with self._cond:
                 self._set_gauges()
                 runs = list(self._active)
             for run in runs:            # one step each, in turn
