@@ -11,16 +11,13 @@
 """
 from __future__ import annotations
 
-from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
-from lean_qwenflash.families.gpt_oss import window_layer_types
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts, periodic_layer_types
 from lean_qwenflash.models.base import CausalLM, SandwichDecoderLayer, attention_head_dim, rotary_from_config
 from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SigmoidBiasRouter, SparseMoeBlock
 
 
 def facts(r: ConfigReader) -> MoEFacts:
-    n = r.positive("num_hidden_layers")
-    return MoEFacts(n, tuple(range(r.get("num_dense_layers", int, 1), n)), r.positive("num_experts"),
-                    r.positive("num_experts_per_tok"), r.positive("hidden_size"), r.positive("moe_intermediate_size"))
+    return dense_prefix_facts(r, r.positive("num_experts"), r.get("num_dense_layers", int, 1))
 
 
 def build(config: dict) -> CausalLM:
@@ -29,7 +26,7 @@ def build(config: dict) -> CausalLM:
     hidden = f.hidden_size
     eps = r.get("rms_norm_eps", float, 1e-5)
     head_dim = attention_head_dim(config)
-    types = window_layer_types(r, f.num_layers, r.positive("global_attn_every_n_layers", 4))
+    types = periodic_layer_types(r, "sliding_attention", r.positive("global_attn_every_n_layers", 4))
     window = r.positive("sliding_window") if "sliding_attention" in types else None
     heads = r.positive("num_attention_heads")
     sparse = set(f.moe_layers)
@@ -48,7 +45,6 @@ def build(config: dict) -> CausalLM:
             mlp = MLP(hidden, r.positive("intermediate_size"))
         layers.append(SandwichDecoderLayer("self_attn", attn, "mlp", mlp, [RMSNorm(hidden, eps) for _ in range(4)]))
     model = CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))
-    model.sliding_window = window
     if r.get("mup_enabled", bool, False):
         model.embed_scale = hidden ** 0.5
     return model

@@ -139,12 +139,35 @@ class Family:
         return self.build_fn(self.text_config(config))
 
 
-def sparse_layers(r: ConfigReader, num_experts: int, first_dense: int = 0) -> tuple:
-    """The usual rule for which layers are sparse: ``decoder_sparse_step`` (every step-th layer),
-    minus ``mlp_only_layers``, minus the first ``first_dense`` layers; none without experts."""
+def sparse_layers(r: ConfigReader, num_experts: int) -> tuple:
+    """The Qwen rule for which layers are sparse: ``decoder_sparse_step`` (every step-th layer),
+    minus ``mlp_only_layers``; none without experts."""
     n = r.positive("num_hidden_layers")
     if num_experts <= 0:
         return ()
     step = r.get("decoder_sparse_step", int, 1) or 1
     dense = set(r.get("mlp_only_layers", list, []))
-    return tuple(i for i in range(n) if i not in dense and i >= first_dense and (i + 1) % step == 0)
+    return tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+
+
+def dense_prefix_facts(r: ConfigReader, num_experts: int, first_dense: int = 0, every: int = 1,
+                       intermediate_key: str = "moe_intermediate_size", top_k_aliases: tuple = ()) -> MoEFacts:
+    """The facts of a model whose first ``first_dense`` layers are dense and every ``every``-th
+    layer after them is sparse (DeepSeek, GLM, AfMoE; 0 and 1: every layer, as Mixtral, GPT-OSS)."""
+    n = r.positive("num_hidden_layers")
+    return MoEFacts(n, tuple(i for i in range(first_dense, n) if i % every == 0), num_experts,
+                    r.positive("num_experts_per_tok", aliases=top_k_aliases), r.positive("hidden_size"),
+                    r.positive(intermediate_key))
+
+
+def periodic_layer_types(r: ConfigReader, other: str, every: int, periodic: str = "full_attention") -> list[str]:
+    """``layer_types`` when the config has it, else ``periodic`` on every ``every``-th layer and
+    ``other`` elsewhere; checked to name one of the two for each layer."""
+    num_layers = r.positive("num_hidden_layers")
+    types = r.get("layer_types", list, None)
+    if types is None:
+        types = [periodic if (i + 1) % every == 0 else other for i in range(num_layers)]
+    if len(types) != num_layers or set(types) - {periodic, other}:
+        raise ValueError(f"config layer_types {types!r} must list '{other}'/'{periodic}' "
+                         f"for each of the {num_layers} layers")
+    return list(types)

@@ -6,19 +6,15 @@ shared experts. The multi-token-prediction layer (``model.layers.{num_hidden_lay
 """
 from __future__ import annotations
 
-from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts
 from lean_qwenflash.families.glm4_moe import grouped_router
 from lean_qwenflash.models.base import CausalLM, DecoderLayer, mscale, rope_parameters, rotary_from_config
 from lean_qwenflash.models.layers import MLP, LatentAttention, RMSNorm, SparseMoeBlock
 
 
 def facts(r: ConfigReader) -> MoEFacts:
-    n = r.positive("num_hidden_layers")
-    experts = r.positive("n_routed_experts", aliases=("num_local_experts", "num_experts"))
-    first_dense = r.get("first_k_dense_replace", int, 0)
-    freq = r.positive("moe_layer_freq", 1)
-    return MoEFacts(n, tuple(i for i in range(first_dense, n) if i % freq == 0), experts,
-                    r.positive("num_experts_per_tok"), r.positive("hidden_size"), r.positive("moe_intermediate_size"))
+    return dense_prefix_facts(r, r.positive("n_routed_experts", aliases=("num_local_experts", "num_experts")),
+                              r.get("first_k_dense_replace", int, 0), r.positive("moe_layer_freq", 1))
 
 
 def latent_attention(config: dict, r: ConfigReader, interleaved: bool) -> LatentAttention:

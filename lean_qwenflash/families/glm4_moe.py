@@ -6,17 +6,14 @@ with DeepSeek-V3's routing (sigmoid, correction bias, group-limited top-k, scali
 skipped."""
 from __future__ import annotations
 
-from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts
 from lean_qwenflash.models.base import CausalLM, DecoderLayer, attention_head_dim, rotary_from_config
 from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SigmoidGroupRouter, SparseMoeBlock
 
 
 def facts(r: ConfigReader) -> MoEFacts:
-    n = r.positive("num_hidden_layers")
-    experts = r.positive("n_routed_experts", aliases=("num_local_experts", "num_experts"))
-    first_dense = r.get("first_k_dense_replace", int, 1)
-    return MoEFacts(n, tuple(range(first_dense, n)), experts, r.positive("num_experts_per_tok"),
-                    r.positive("hidden_size"), r.positive("moe_intermediate_size"))
+    return dense_prefix_facts(r, r.positive("n_routed_experts", aliases=("num_local_experts", "num_experts")),
+                              r.get("first_k_dense_replace", int, 1))
 
 
 def grouped_router(r: ConfigReader, f: MoEFacts) -> SigmoidGroupRouter:

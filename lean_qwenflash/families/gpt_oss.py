@@ -9,28 +9,14 @@ the plain SwiGLU only), so GPT-OSS does not get the native expert kernels yet.
 """
 from __future__ import annotations
 
-from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts, periodic_layer_types
 from lean_qwenflash.models.base import CausalLM, DecoderLayer, attention_head_dim, rotary_from_config
 from lean_qwenflash.models.layers import Attention, ClampedSwiGLUExperts, RMSNorm, SparseMoeBlock, TopKSoftmaxRouter
 
 
 def facts(r: ConfigReader) -> MoEFacts:
-    n = r.positive("num_hidden_layers")
-    return MoEFacts(n, tuple(range(n)), r.positive("num_local_experts", aliases=("num_experts",)),
-                    r.positive("num_experts_per_tok", aliases=("experts_per_token",)), r.positive("hidden_size"),
-                    r.positive("intermediate_size"))
-
-
-def window_layer_types(r: ConfigReader, num_layers: int, default_every: int = 2) -> list[str]:
-    """``layer_types`` (sliding_attention / full_attention); by default every ``default_every``-th
-    layer is full, the rest sliding."""
-    types = r.get("layer_types", list, None)
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % default_every else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"config layer_types {types!r} must list 'sliding_attention'/'full_attention' "
-                         f"for each of the {num_layers} layers")
-    return list(types)
+    return dense_prefix_facts(r, r.positive("num_local_experts", aliases=("num_experts",)),
+                              intermediate_key="intermediate_size", top_k_aliases=("experts_per_token",))
 
 
 def build(config: dict) -> CausalLM:
@@ -39,7 +25,7 @@ def build(config: dict) -> CausalLM:
     hidden = f.hidden_size
     eps = r.get("rms_norm_eps", float, 1e-5)
     head_dim = attention_head_dim(config)
-    types = window_layer_types(r, f.num_layers)
+    types = periodic_layer_types(r, "sliding_attention", 2)
     window = r.positive("sliding_window") if "sliding_attention" in types else None
     layers = []
     for i, kind in enumerate(types):
@@ -50,9 +36,7 @@ def build(config: dict) -> CausalLM:
         block.set_expert_fn(ClampedSwiGLUExperts(f.num_experts, hidden, f.expert_intermediate,
                                                  r.get("swiglu_alpha", float, 1.702), r.get("swiglu_limit", float, 7.0)))
         layers.append(DecoderLayer("self_attn", attn, "mlp", block, RMSNorm(hidden, eps), RMSNorm(hidden, eps)))
-    model = CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))
-    model.sliding_window = window
-    return model
+    return CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))
 
 
 FAMILY = Family(name="gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",),

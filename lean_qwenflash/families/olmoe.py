@@ -2,19 +2,18 @@
 ``clip_qkv``, softmax top-k router without renormalisation by default; every layer is sparse."""
 from __future__ import annotations
 
-from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts
 from lean_qwenflash.models.moe_transformer import build_moe_transformer
 
 
 def facts(r: ConfigReader) -> MoEFacts:
-    n = r.positive("num_hidden_layers")
-    return MoEFacts(n, tuple(range(n)), r.positive("num_experts", aliases=("num_local_experts",)),
-                    r.positive("num_experts_per_tok"), r.positive("hidden_size"), r.positive("intermediate_size"))
+    return dense_prefix_facts(r, r.positive("num_experts", aliases=("num_local_experts",)),
+                              intermediate_key="intermediate_size")
 
 
 def build(config: dict):
     r = ConfigReader(config, "OlmoeForCausalLM")
-    return build_moe_transformer(config, facts(r), "mlp", qk_norm="full",
+    return build_moe_transformer(config, r, facts(r), "mlp", qk_norm="full",
                                  norm_topk_prob=r.get("norm_topk_prob", bool, False),
                                  clip_qkv=r.get("clip_qkv", float, None))
 

@@ -2,20 +2,14 @@
 renormalised), dense layers via ``mlp_only_layers`` / ``decoder_sparse_step``."""
 from __future__ import annotations
 
-from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, sparse_layers
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family
+from lean_qwenflash.families.qwen3_next import facts      # the same keys and sparse-layer rule
 from lean_qwenflash.models.moe_transformer import build_moe_transformer
-
-
-def facts(r: ConfigReader) -> MoEFacts:
-    experts = r.get("num_experts", int, 0, aliases=("num_local_experts",))
-    return MoEFacts(r.positive("num_hidden_layers"), sparse_layers(r, experts), experts,
-                    r.positive("num_experts_per_tok") if experts else 0, r.positive("hidden_size"),
-                    r.positive("moe_intermediate_size") if experts else 0)
 
 
 def build(config: dict):
     r = ConfigReader(config, "Qwen3MoeForCausalLM")
-    return build_moe_transformer(config, facts(r), "mlp", qk_norm="head",
+    return build_moe_transformer(config, r, facts(r), "mlp", qk_norm="head",
                                  norm_topk_prob=r.get("norm_topk_prob", bool, False))
 
 

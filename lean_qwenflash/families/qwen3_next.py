@@ -3,7 +3,7 @@ few layers, zero-centred RMSNorms, partial rotary, many small routed experts (so
 sigmoid-gated shared expert. The checkpoint's multi-token-prediction head (``mtp.*``) is not used."""
 from __future__ import annotations
 
-from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, sparse_layers
+from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, periodic_layer_types, sparse_layers
 from lean_qwenflash.models.base import CausalLM, DecoderLayer, attention_head_dim, rotary_from_config
 from lean_qwenflash.models.layers import MLP, Attention, GatedDeltaNet, RMSNorm, SoftmaxRouter, SparseMoeBlock
 
@@ -11,15 +11,7 @@ from lean_qwenflash.models.layers import MLP, Attention, GatedDeltaNet, RMSNorm,
 def layer_types(config: dict) -> list[str]:
     """``layer_types`` when the config has it, else full attention every ``full_attention_interval``."""
     r = ConfigReader(config, (config.get("architectures") or ["Qwen3NextForCausalLM"])[0])
-    num_layers = r.positive("num_hidden_layers")
-    types = r.get("layer_types", list, None)
-    if types is None:
-        interval = r.positive("full_attention_interval", 4)
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if len(types) != num_layers or set(types) - {"full_attention", "linear_attention"}:
-        raise ValueError(f"config layer_types {types!r} must list 'full_attention'/'linear_attention' "
-                         f"for each of the {num_layers} layers")
-    return list(types)
+    return periodic_layer_types(r, "linear_attention", r.positive("full_attention_interval", 4))
 
 
 def facts(r: ConfigReader) -> MoEFacts:

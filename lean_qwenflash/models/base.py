@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lean_qwenflash.models import kernels, native
-from lean_qwenflash.models.layers import Embedding, Linear, Rotary, SparseMoeBlock
+from lean_qwenflash.models.layers import Attention, Embedding, Linear, Rotary, SparseMoeBlock
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +74,11 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(hidden_size, vocab_size, bias=False)
         self.layer_types = list(layer_types)
-        self.sliding_window: Optional[int] = None
+        # the window of the sliding_attention layers (new_state sizes their caches by it)
+        windows = {m.sliding_window for m in self.modules() if isinstance(m, Attention) and m.sliding_window}
+        if len(windows) > 1:
+            raise ValueError(f"sliding-window layers with different windows {sorted(windows)} are not supported")
+        self.sliding_window: Optional[int] = windows.pop() if windows else None
         self.embed_scale = 1.0          # muP input scaling (AfMoE): embeddings times this
         self.rotary = rotary
         self._layers = list(layers)
@@ -148,20 +152,6 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             return self.model.embed_tokens.as_head(x)
         return self.lm_head(x)
-
-
-_REQUIRED = object()
-
-
-def config_value(config: dict, key: str, default=_REQUIRED):
-    """``config[key]`` (HF key names); a missing required key is an error that names it."""
-    value = config.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ValueError(f"config.json lacks required key {key!r} "
-                             f"(architecture {config.get('architectures')})")
-        return default
-    return value
 
 
 def mscale(scale: float, m: float = 1.0) -> float:

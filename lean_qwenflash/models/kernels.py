@@ -167,15 +167,17 @@ def expert_mlp(x: torch.Tensor, expert) -> torch.Tensor:
     return F.linear(act, as_float(expert.down, x.dtype, "down"))
 
 
-def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, mode: str = "exact", isa: str = "auto") -> torch.Tensor:
-    """``F.linear`` with a block-quantized weight: one row on CPU in ``fast`` mode runs the native
-    dot product on the encoded rows; otherwise the weight is dequantized exactly and multiplied."""
+def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, mode: str = "exact", isa: str = "auto",
+                 role: str = "linear") -> torch.Tensor:
+    """``F.linear`` with a block-quantized (or float record) weight: one row on CPU in ``fast`` mode
+    runs the native dot product on the rows as stored; otherwise the weight is dequantized exactly
+    (into the ``role``'s scratch buffer) and multiplied."""
     if isinstance(weight, QuantRows):      # row groups in different encodings: one product each
-        out = torch.cat([quant_linear(x, p, None, mode, isa) for p in weight.parts], dim=-1)
+        out = torch.cat([quant_linear(x, p, None, mode, isa, role) for p in weight.parts], dim=-1)
         out = out.index_select(-1, weight.order)
         return out if bias is None else out + bias
     if mode == "fast" and x.numel() == weight.shape[1] and x.device.type == "cpu" and native.supports(weight):
         out = native.gemv(weight, x, isa=isa).view(x.shape[:-1] + (weight.shape[0],)).to(x.dtype)
     else:
-        out = F.linear(x, as_float(weight, x.dtype, "linear"))
+        out = F.linear(x, as_float(weight, x.dtype, role))
     return out if bias is None else out + bias

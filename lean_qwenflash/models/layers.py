@@ -563,6 +563,11 @@ class Router(Linear):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def fp32_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from fp32 inputs, as the sigmoid / grouped rules define them (an encoded
+        router: its own kernel)."""
+        return F.linear(x.float(), self.weight.float()) if self.qweight is None else self(x).float()
+
     def selection_scores(self, x: torch.Tensor) -> torch.Tensor:
         """[N, E]: larger = chosen first (experts the rule cannot choose are -inf)."""
         return self(x).float()
@@ -594,21 +599,23 @@ class SigmoidGroupRouter(Router):
     (``norm_topk_prob``, +1e-20) and scaled by ``routed_scaling_factor``. All in fp32."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1):
+                 routed_scaling_factor: float = 1.0, n_group: int = 1, topk_group: int = 1, own_bias: bool = True):
         super().__init__(hidden_size, num_experts, top_k)
         if num_experts % n_group or not 0 < topk_group <= n_group:
             raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} "
                              f"be in 1..n_group")
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+        if own_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
         self.n_group, self.topk_group = n_group, topk_group
 
+    def selection_bias(self) -> torch.Tensor:
+        return self.e_score_correction_bias
+
     def _scores(self, x):
         """(sigmoid scores, selection scores with groups masked) [N, E], fp32."""
-        # fp32 logits from fp32 inputs, as the architecture defines them (an encoded router: its kernel)
-        logits = F.linear(x.float(), self.weight.float()) if self.qweight is None else self(x).float()
-        scores = logits.sigmoid()
-        choice = scores + self.e_score_correction_bias.float()
+        scores = self.fp32_logits(x).sigmoid()
+        choice = scores + self.selection_bias().float()
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
@@ -647,8 +654,7 @@ class SoftmaxGroupRouter(Router):
         self.n_group, self.topk_group = n_group, topk_group
 
     def selection_scores(self, x):
-        logits = F.linear(x.float(), self.weight.float()) if self.qweight is None else self(x).float()
-        scores = logits.softmax(dim=-1)
+        scores = self.fp32_logits(x).softmax(dim=-1)
         if self.topk_method == "group_limited_greedy":
             grouped = scores.view(-1, self.n_group, self.num_experts // self.n_group)
             keep = torch.topk(grouped.max(dim=-1).values, self.topk_group, dim=-1).indices
@@ -672,29 +678,17 @@ class TopKSoftmaxRouter(Router):
         return torch.softmax(values, dim=-1), indices
 
 
-class SigmoidBiasRouter(Router):
-    """AfMoE routing: sigmoid scores (fp32); the selection adds the block's ``expert_bias``; the
-    chosen experts' scores, renormalised (+1e-20), times ``route_scale`` are the weights. The bias
-    lives on the block (HF ``mlp.expert_bias``), handed in as ``bias_owner``."""
+class SigmoidBiasRouter(SigmoidGroupRouter):
+    """AfMoE routing: DeepSeek-V3's rule with one group, always renormalised, scaled by
+    ``route_scale``, whose selection bias lives on the block (HF ``mlp.expert_bias``; set by
+    ``SparseMoeBlock.add_expert_bias``)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, route_scale: float):
-        super().__init__(hidden_size, num_experts, top_k)
-        self.route_scale = route_scale
-        self._owner = None              # the block holding expert_bias (SparseMoeBlock.add_expert_bias)
+        super().__init__(hidden_size, num_experts, top_k, True, route_scale, own_bias=False)
+        self._owner = None              # the block holding expert_bias
 
-    def _scores(self, x):
-        logits = F.linear(x.float(), self.weight.float()) if self.qweight is None else self(x).float()
-        scores = logits.sigmoid()
-        return scores, scores + self._owner.expert_bias.float()
-
-    def route(self, x):
-        scores, choice = self._scores(x)
-        indices = torch.topk(choice, self.top_k, dim=-1).indices
-        weights = scores.gather(1, indices)
-        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.route_scale, indices
-
-    def selection_scores(self, x):
-        return self._scores(x)[1]
+    def selection_bias(self) -> torch.Tensor:
+        return self._owner.expert_bias
 
 
 class ClampedSwiGLUExperts(nn.Module):
@@ -710,21 +704,17 @@ class ClampedSwiGLUExperts(nn.Module):
         self.alpha, self.limit, self.intermediate = alpha, limit, intermediate
         self._gate_first_bias = None
 
-    def _product(self, x, weight, role: str, mode: str, isa: str) -> torch.Tensor:
-        if mode == "fast" and x.shape[0] == 1 and x.device.type == "cpu" and native.supports(weight):
-            # decode: the native GEMV on the record as stored, on the native threads
-            return native.gemv(weight, x, isa=isa).view(1, -1).to(x.dtype)
-        return F.linear(x, kernels.as_float(weight, x.dtype, role))
-
     def __call__(self, x: torch.Tensor, expert, expert_id: int, mode: str = "exact", isa: str = "auto") -> torch.Tensor:
         if self._gate_first_bias is None or self._gate_first_bias.device != x.device:
             b = self.gate_up_proj_bias.detach()
             self._gate_first_bias = torch.cat((b[:, 0::2], b[:, 1::2]), dim=1)      # the records' row order
-        h = self._product(x, expert.gate_up, "gate_up", mode, isa) + self._gate_first_bias[expert_id].to(x.dtype)
+        # (quant_linear: one row in fast mode runs the native GEMV on the record as stored)
+        h = kernels.quant_linear(x, expert.gate_up, None, mode, isa, "gate_up") + \
+            self._gate_first_bias[expert_id].to(x.dtype)
         gate = h[:, :self.intermediate].clamp(max=self.limit)
         up = h[:, self.intermediate:].clamp(-self.limit, self.limit)
         act = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return self._product(act, expert.down, "down", mode, isa) + self.down_proj_bias[expert_id].to(x.dtype)
+        return kernels.quant_linear(act, expert.down, None, mode, isa, "down") + self.down_proj_bias[expert_id].to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):

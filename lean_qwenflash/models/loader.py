@@ -64,8 +64,9 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     weights are never part of it: the model's sparse blocks ask ``provider``.
     """
     names = family_of(config).layout
-    tensors = {naming.canonical_resident_key(names, naming.rename_key(names, k)): v
-               for k, v in resident_tensors.items() if not naming.rename_key(names, k).startswith(names.ignored_prefixes)}
+    renamed = {naming.rename_key(names, k): v for k, v in resident_tensors.items()}
+    tensors = {naming.canonical_resident_key(names, k): v for k, v in renamed.items()
+               if not k.startswith(names.ignored_prefixes)}
     model = check_resident(config, {k: tuple(v.shape) for k, v in tensors.items()})
     expected = {k: v.shape for k, v in model.state_dict().items()}
     # Block-quantized resident matrices (pack --quant) replace their Linear's float parameter.

@@ -46,20 +46,29 @@ class ConfigExperts:
     config: dict
     # True for a GGUF file: tensors come encoded (expert_raw, get_encoded), the tokenizer from its metadata
     is_gguf = False
+    _family = None
+    skipped: dict = {}                  # what the source holds and the runtime does not use (HF: prefix -> count)
+    source_notes: list = []             # what the pack should say about how the source was read
+
+    @property
+    def family(self):
+        """The model family (``lean_qwenflash.families``) of the config."""
+        if self._family is None:
+            self._family = _family_for(self.config)
+        return self._family
 
     @property
     def architecture(self) -> str:
         """The config's architecture string that named the family."""
-        family = _family_for(self.config)
-        return next((a for a in self.config.get("architectures") or [] if a in family.architectures),
-                    family.architectures[0])
+        return next((a for a in self.config.get("architectures") or [] if a in self.family.architectures),
+                    self.family.architectures[0])
 
     def moe_layers(self) -> list[int]:
-        return list(_family_for(self.config).facts(self.config).moe_layers)
+        return list(self.family.facts(self.config).moe_layers)
 
     def expert_dims(self) -> tuple[int, int, int, int]:
         """(num_experts, top_k, hidden_size, expert_intermediate_size)."""
-        f = _family_for(self.config).facts(self.config)
+        f = self.family.facts(self.config)
         return f.num_experts, f.top_k, f.hidden_size, f.expert_intermediate
 
 
@@ -75,7 +84,7 @@ class HFCheckpoint(ConfigExperts):
             self.source_config = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
-        self.family = _family_for(self.source_config)
+        self._family = _family_for(self.source_config)
         # The config of the model we run (a multimodal checkpoint's text model), flat.
         self.config = self.family.text_config(self.source_config)
         self.names = self.family.layout
@@ -222,7 +231,6 @@ class HFCheckpoint(ConfigExperts):
 
     @property
     def source_notes(self) -> list[str]:
-        """What the pack should say about how the source was read."""
         if self.experts.mxfp4:
             return ["experts stored as MXFP4 were dequantized to bfloat16 (exact: every MXFP4 value is a "
                     "bfloat16 value; the pack format has no mxfp4 encoding yet, so they take 4x the bytes)"]

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from ..quant import ENCODINGS, QuantRows, QuantTensor, get_encoding
-from . import naming
 from .checkpoint import CheckpointError, ConfigExperts
 from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Values, gguf_to_hf_tensor,
                          split_layer_name, transform_for)
@@ -192,7 +191,6 @@ class GGUFCheckpoint(ConfigExperts):
             raise GGUFError(f"{self.path.name}: tensors this {arch_name} mapping does not know: "
                             f"{', '.join(sorted(unknown)[:6])}" + (" ..." if len(unknown) > 6 else ""))
         self.config = self._config()
-        self.family = _family_for(self.config)
         self.names = self.family.layout
 
     def _check_layers(self, num_layers: int) -> None:
@@ -463,9 +461,3 @@ class GGUFCheckpoint(ConfigExperts):
 
 
 __all__ = ["GGUFCheckpoint", "GGUFError", "gguf_shards", "is_gguf", "GLOBAL_TENSORS"]
-
-
-def _family_for(config: dict):
-    # Imported at call time: the families import models/, which imports this module.
-    from lean_qwenflash.families import family_for
-    return family_for(config)

@@ -209,10 +209,10 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
     for why, names in resident_fallback.items():
         notes.append(f"resident {why}; kept float: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
     notes.extend(stored_notes)
-    notes.extend(getattr(ckpt, "source_notes", []))
-    for prefix, count in getattr(ckpt, "skipped", {}).items():
+    notes.extend(ckpt.source_notes)
+    for prefix, count in ckpt.skipped.items():
         notes.append(f"skipped {count} tensor{'s' if count > 1 else ''} under {prefix} (not used by the runtime)")
-    if getattr(ckpt, "skipped", None):
+    if ckpt.skipped:
         notes.extend(ckpt.family.notes)
     entries = []
     for canon, k in resident:
