@@ -20,12 +20,14 @@ class KVCache:
         self.values: Optional[torch.Tensor] = None
         self.num_tokens = 0
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, kv_heads, T, D]; return views of all cached keys and values [B, kv_heads, L, D]."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, zero_slot: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [B, kv_heads, T, D]; return views of all cached keys and values [B, kv_heads, L, D].
+        ``zero_slot``: the views also hold one zeroed slot after the last token (an attention sink's
+        key and value), so the caller need not copy the cache to add it."""
         end = self.num_tokens + k.shape[2]
         capacity = 0 if self.keys is None else self.keys.shape[2]
-        if end > capacity:
-            new_capacity = max(end, 2 * capacity, 64)
+        if end + zero_slot > capacity:
+            new_capacity = max(end + zero_slot, 2 * capacity, 64)
             keys = k.new_empty(k.shape[:2] + (new_capacity, k.shape[3]))
             values = v.new_empty(v.shape[:2] + (new_capacity, v.shape[3]))
             if self.num_tokens:
@@ -35,6 +37,10 @@ class KVCache:
         self.keys[:, :, self.num_tokens:end] = k
         self.values[:, :, self.num_tokens:end] = v
         self.num_tokens = end
+        if zero_slot:
+            self.keys[:, :, end] = 0
+            self.values[:, :, end] = 0
+            return self.keys[:, :, :end + 1], self.values[:, :, :end + 1]
         return self.keys[:, :, :end], self.values[:, :, :end]
 
     def clone(self) -> "KVCache":

@@ -252,13 +252,15 @@ class Attention(nn.Module):
     def _masked_attention(self, q, k, v, state) -> torch.Tensor:
         """Attention with an explicit mask from token positions: the sliding window and/or sinks."""
         num_tokens = q.shape[2]
+        has_zero_slot = False           # the keys/values already end with the sink's zero slot
         if state is not None:
             num_past = state.num_tokens
             if self.sliding_window is not None:
                 k, v, key_pos = state.attend(k, v)
             else:
-                k, v = state.append(k, v)
-                key_pos = torch.arange(k.shape[2], device=q.device)
+                has_zero_slot = self.sinks is not None
+                k, v = state.append(k, v, zero_slot=has_zero_slot)
+                key_pos = torch.arange(k.shape[2] - has_zero_slot, device=q.device)
         else:
             num_past, key_pos = 0, torch.arange(num_tokens, device=q.device)
         query_pos = torch.arange(num_past, num_past + num_tokens, device=q.device)
@@ -268,8 +270,9 @@ class Attention(nn.Module):
         mask = visible
         if self.sinks is not None:
             # The sink: one more key (zero, with a zero value) whose logit is the head's sink.
-            zero = k.new_zeros(k.shape[:2] + (1, k.shape[3]))
-            k, v = torch.cat((k, zero), dim=2), torch.cat((v, zero), dim=2)
+            if not has_zero_slot:       # (a full layer's cache keeps it: no copy of the cache per step)
+                zero = k.new_zeros(k.shape[:2] + (1, k.shape[3]))
+                k, v = torch.cat((k, zero), dim=2), torch.cat((v, zero), dim=2)
             bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(~visible, float("-inf"))
             sink = self.sinks.to(q.dtype).view(1, -1, 1, 1).expand(1, self.num_heads, num_tokens, 1)
             mask = torch.cat((bias.expand(1, self.num_heads, -1, -1), sink), dim=-1)
