@@ -32,7 +32,7 @@ from lean_qwenflash.models import load_hf_checkpoint  # noqa: E402
 
 # Qwen3-Next's proportions scaled to ~1.8 GB: many layers (3 DeltaNet : 1 attention), many small
 # experts (I = H/4), top-10 plus a shared expert of the same size, partial rotary.
-CONFIG = QWEN3_NEXT = dict(
+QWEN3_NEXT = dict(
     vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=24,
     num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4,
     linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,

@@ -80,7 +80,7 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
         tmp.rename(files["uniform"])
         bf16.unlink()
     if not files["skewed"].is_file():
-        _routed_variants(files, None, config)
+        _skewed_copy(files)
     packs = {}
     for case, path in files.items():
         packs[case] = work / f"pack-{case}"
@@ -93,7 +93,7 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
 RESIDUAL_SCALE = 0.1     # what each layer adds to the residual stream, relative to a plain random init
 
 
-def _routed_variants(files: dict, raw_pack: Path, config: dict) -> None:
+def _skewed_copy(files: dict) -> None:
     """The skewed copy of the file (only the f32 router tensors change): router row e scaled by
     s_e = 1 + 7 * (rank_e + 1) ** -1.2 (a seeded random rank per layer), a Zipf-like popularity."""
     import gguf

@@ -35,13 +35,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def _serve(app):
+def _serve(app, cfg):
+    """A real server for ``app`` (configured as ``lean-qwenflash serve`` configures it) on a free port."""
     import uvicorn
+
+    from lean_qwenflash.server.http import uvicorn_config
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, cfg, "warning", host="127.0.0.1", port=port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -261,7 +264,7 @@ def main(argv=None) -> int:
     no_cache.server.prefix_cache_bytes = 0
     fifo = copy.deepcopy(cfg)
     fifo.server.max_active = 1
-    servers = {name: _serve(create_app(rt, c, model_name="bench")) for name, c in
+    servers = {name: _serve(create_app(rt, c, model_name="bench"), c) for name, c in
                (("reuse", cfg), ("no_reuse", no_cache), ("fifo", fifo))}
     clients = {name: openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
                for name, (_, _, url) in servers.items()}

@@ -96,7 +96,9 @@ def build_pack(out: Path, config: dict, seed: int = 0) -> None:
         model = family_of(config).build(config)
     entries = [(k, tuple(v.shape), torch.bfloat16) for k, v in model.state_dict().items()]
     writer = StreamingSafetensorsWriter(out / fmt.RESIDENT, entries)
-    zero_centred = family_for(config).name in ("qwen3_next", "qwen3_5_moe")
+    from decode import ZERO_CENTRED
+
+    zero_centred = family_for(config).name in ZERO_CENTRED
     for name, shape, dtype in entries:
         t = torch.randn(shape, generator=gen)
         if name.endswith(("e_score_correction_bias", "expert_bias")):
@@ -138,6 +140,8 @@ def skew_pack(src: Path, out: Path, seed: int = 1) -> None:
     """Same experts (hard links), routers rescaled for skewed popularity (see the docstring)."""
     from safetensors.torch import load_file, save_file
 
+    from decode import ROUTER_SUFFIXES
+
     if (out / "manifest.json").is_file():
         return
     out.mkdir(parents=True, exist_ok=True)
@@ -147,7 +151,7 @@ def skew_pack(src: Path, out: Path, seed: int = 1) -> None:
     tensors = load_file(str(src / fmt.RESIDENT))
     gen = torch.Generator().manual_seed(seed)
     for k, v in tensors.items():
-        if k.endswith((".mlp.gate.weight", ".mlp.router.weight", ".mlp.router.gate.weight")):
+        if k.endswith(ROUTER_SUFFIXES):
             ranks = torch.randperm(v.shape[0], generator=gen).float()
             scale = 1 + 7 * (ranks + 1) ** -1.2
             tensors[k] = (v.float() * scale[:, None]).to(v.dtype)
@@ -305,7 +309,8 @@ def main() -> int:
             else:
                 quantize_pack(src, dst, args.quant)
             packs[args.quant][routing] = dst
-    experts_bytes = json.loads((uniform / "manifest.json").read_text())["experts_bytes"]
+    manifest = json.loads((uniform / "manifest.json").read_text())
+    experts_bytes = manifest["experts_bytes"]
     limit = int(args.limit_gib * 2**30)
     can_limit = can_limit_memory()
     base = dict(host_cache_bytes=int(args.host_cache_gib * 2**30), depth=args.depth, engine=args.engine,
@@ -313,8 +318,8 @@ def main() -> int:
                 probe_seconds=args.probe_seconds, threads=args.threads)
     print(f"experts {experts_bytes / 2**30:.1f} GiB ({experts_bytes / limit:.1f}x the {args.limit_gib} GiB limit); "
           f"host cache {args.host_cache_gib} GiB; "
-          f"record {json.loads((uniform / 'manifest.json').read_text())['layers'][0]['record_bytes'] / 2**20:.1f} MiB; "
-          f"top-{config['num_experts_per_tok']} of {next(config[k] for k in EXPERT_COUNT_KEYS if k in config)} experts x "
+          f"record {manifest['layers'][0]['record_bytes'] / 2**20:.1f} MiB; "
+          f"top-{config['num_experts_per_tok']} of {manifest['layers'][0]['num_experts']} experts x "
           f"{config['num_hidden_layers']} layers", file=sys.stderr)
 
     rows = []

@@ -21,12 +21,11 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field
 
-from lean_qwenflash.server.app import _ClientGone, _collect, _Server
+from lean_qwenflash.server.app import _collect, _Server, _sse, _stream_job
 from lean_qwenflash.server.engine import Job
-from lean_qwenflash.server.protocol import (REASONING_BUDGETS, ApiError, ChatCompletionRequest, _Strict,
+from lean_qwenflash.server.protocol import (MAX_STOP, REASONING_BUDGETS, ApiError, ChatCompletionRequest, _Strict,
                                             check_unsupported, schema_problem)
 
-MAX_STOP_SEQUENCES = 16          # what check_unsupported allows for "stop"
 # output_config.effort (with thinking "adaptive") -> our reasoning_effort, whose budget is used.
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
 _BLOCK_JOIN = "\n\n"             # between the text blocks of one message when they become one string
@@ -260,8 +259,8 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
     tools, choice, parallel = _tools(req)
     max_tokens = req.max_tokens if full else None
     stops = (req.stop_sequences or []) if full else []
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise _bad("stop_sequences", f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stops)}")
+    if len(stops) > MAX_STOP:
+        raise _bad("stop_sequences", f"at most {MAX_STOP} stop sequences, got {len(stops)}")
     chat = ChatCompletionRequest.model_validate({
         "model": req.model, "messages": messages, "max_tokens": max_tokens, "stop": stops or None,
         "temperature": req.temperature if full else None, "top_p": req.top_p if full else None,
@@ -364,7 +363,7 @@ def _usage(info: dict) -> dict:
 
 
 def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"event: {name}\n" + _sse(data)
 
 
 def _message(mid: str, model: str, content: list, stop: tuple, usage: dict) -> dict:
@@ -372,38 +371,31 @@ def _message(mid: str, model: str, content: list, stop: tuple, usage: dict) -> d
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-async def _stream(srv: _Server, job: Job, request: Request, mid: str, max_tokens: int) -> AsyncIterator[str]:
+def _stream(srv: _Server, job: Job, request: Request, mid: str, max_tokens: int) -> AsyncIterator[str]:
     blocks = ContentBlocks()
     # The prefix-cache hit is known only at the end: message_delta's usage (cumulative, as the SDK
     # reads it) then splits input_tokens into computed and cache-read tokens.
     start_usage = {"input_tokens": len(job.prompt_ids), "output_tokens": 0, "cache_read_input_tokens": 0,
                    "cache_creation_input_tokens": 0}
-    try:
-        yield (_event("message_start", {"type": "message_start",
-                                        "message": _message(mid, srv.model_name, [], (None, None), start_usage)})
-               + _event("ping", {"type": "ping"}))
-        while True:
-            kind, payload = await srv.next_event(job, request)
-            if kind == "delta":
-                out = "".join(_event(name, data) for d in payload for name, data in blocks.add(d))
-                if out:
-                    yield out
-            elif kind == "error":
-                yield _event("error", ApiError(500, payload, code="generation_failed").body_for("/v1/messages"))
-                break
-            else:
-                reason, sequence = _stop_reason(payload, job, blocks, max_tokens)
-                yield ("".join(_event(name, data) for name, data in blocks.close())
-                       + _event("message_delta", {"type": "message_delta",
-                                                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                                  "usage": _usage(payload)})
-                       + _event("message_stop", {"type": "message_stop"}))
-                srv.finished(job)
-                break
-    except _ClientGone:
-        return
-    finally:
-        job.cancel()
+    head = (_event("message_start", {"type": "message_start",
+                                     "message": _message(mid, srv.model_name, [], (None, None), start_usage)})
+            + _event("ping", {"type": "ping"}))
+
+    def on_deltas(deltas) -> str:
+        return "".join(_event(name, data) for d in deltas for name, data in blocks.add(d))
+
+    def on_done(info) -> str:
+        reason, sequence = _stop_reason(info, job, blocks, max_tokens)
+        return ("".join(_event(name, data) for name, data in blocks.close())
+                + _event("message_delta", {"type": "message_delta",
+                                           "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                           "usage": _usage(info)})
+                + _event("message_stop", {"type": "message_stop"}))
+
+    def on_error(message: str) -> str:
+        return _event("error", ApiError(500, message, code="generation_failed").body_for("/v1/messages"))
+
+    return _stream_job(srv, job, request, head, on_deltas, on_done, on_error)
 
 
 # -- routes ---------------------------------------------------------------------------------------

@@ -436,64 +436,82 @@ async def _collect(srv: _Server, job: Job, request: Request, on_deltas) -> Optio
     return payload
 
 
-async def _chat_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
-                       include_usage: bool) -> AsyncIterator[str]:
+_DONE = "data: [DONE]\n\n"
+
+
+async def _stream_job(srv: _Server, job: Job, request: Request, head: str, on_deltas, on_done,
+                      on_error) -> AsyncIterator[str]:
+    """A job's events as streamed text, for every streaming route: ``head`` first, then
+    ``on_deltas(deltas)`` for each batch, and ``on_done(info)`` or ``on_error(message)`` at the end
+    (each returns text; "" sends nothing). Ends quietly when the client leaves; the job is
+    cancelled either way."""
+    try:
+        if head:
+            yield head
+        while True:
+            kind, payload = await srv.next_event(job, request)
+            if kind == "delta":
+                out = on_deltas(payload)
+                if out:
+                    yield out
+            elif kind == "error":
+                yield on_error(payload)
+                return
+            else:
+                yield on_done(payload)
+                srv.finished(job)
+                return
+    except _ClientGone:
+        return
+    finally:
+        job.cancel()
+
+
+def _openai_error(message: str) -> str:
+    return _sse(ApiError(500, message, code="generation_failed").body()) + _DONE
+
+
+def _chat_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
+                 include_usage: bool) -> AsyncIterator[str]:
     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": srv.model_name}
 
     def chunk(delta: dict, reason=None) -> str:
         return _sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]})
 
     message = ChatMessage()
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        while True:
-            kind, payload = await srv.next_event(job, request)
-            if kind == "delta":
-                for d in payload:
-                    message.add(d)
-                    for cd in chunk_deltas(d):
-                        yield chunk(cd)
-            elif kind == "error":
-                yield _sse(ApiError(500, payload, code="generation_failed").body())
-                break
-            else:
-                yield chunk({}, finish_reason(payload["finish_reason"], message))
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(payload)})
-                srv.finished(job)
-                break
-        yield "data: [DONE]\n\n"
-    except _ClientGone:
-        return
-    finally:
-        job.cancel()
+
+    def on_deltas(deltas) -> str:
+        out = []
+        for d in deltas:
+            message.add(d)
+            out.extend(chunk(cd) for cd in chunk_deltas(d))
+        return "".join(out)
+
+    def on_done(info) -> str:
+        out = chunk({}, finish_reason(info["finish_reason"], message))
+        if include_usage:
+            out += _sse({**head, "choices": [], "usage": _usage(info)})
+        return out + _DONE
+
+    return _stream_job(srv, job, request, chunk({"role": "assistant", "content": ""}), on_deltas, on_done,
+                       _openai_error)
 
 
-async def _completion_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
-                             include_usage: bool) -> AsyncIterator[str]:
+def _completion_stream(srv: _Server, job: Job, request: Request, rid: str, created: int,
+                       include_usage: bool) -> AsyncIterator[str]:
     head = {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name}
 
     def chunk(text: str, reason=None) -> str:
         return _sse({**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]})
 
-    try:
-        while True:
-            kind, payload = await srv.next_event(job, request)
-            if kind == "delta":
-                text = "".join(d["text"] for d in payload)
-                if text:
-                    yield chunk(text)
-            elif kind == "error":
-                yield _sse(ApiError(500, payload, code="generation_failed").body())
-                break
-            else:
-                yield chunk("", finish_reason(payload["finish_reason"]))
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(payload)})
-                srv.finished(job)
-                break
-        yield "data: [DONE]\n\n"
-    except _ClientGone:
-        return
-    finally:
-        job.cancel()
+    def on_deltas(deltas) -> str:
+        text = "".join(d["text"] for d in deltas)
+        return chunk(text) if text else ""
+
+    def on_done(info) -> str:
+        out = chunk("", finish_reason(info["finish_reason"]))
+        if include_usage:
+            out += _sse({**head, "choices": [], "usage": _usage(info)})
+        return out + _DONE
+
+    return _stream_job(srv, job, request, "", on_deltas, on_done, _openai_error)

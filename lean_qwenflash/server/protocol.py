@@ -25,6 +25,7 @@ REASONING_BUDGETS: dict[str, Optional[int]] = {
 # its budget up here: one list of names for both.
 assert tuple(REASONING_BUDGETS) == REASONING_EFFORTS
 ReasoningEffort = Literal[REASONING_EFFORTS]
+MAX_STOP = 16                   # stop strings per request (OpenAI's stop, Anthropic's stop_sequences)
 
 
 # Anthropic's error types by status; other statuses are invalid_request_error (4xx) or api_error.
@@ -260,8 +261,8 @@ def check_unsupported(req: _Sampling) -> None:
     if req.logprobs not in (None, False, 0):
         raise ApiError(400, "logprobs are not supported by this server", "logprobs")
     stops = stop_strings(req)
-    if len(stops) > 16:
-        raise ApiError(400, f"stop: at most 16 stop strings, got {len(stops)}", "stop")
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
     if isinstance(req, ChatCompletionRequest):
         if req.top_logprobs:
             raise ApiError(400, "top_logprobs is not supported by this server", "top_logprobs")
@@ -283,11 +284,13 @@ def check_unsupported(req: _Sampling) -> None:
                 raise ApiError(400, "a tool message needs content", f"messages[{i}].content")
         # A tool result answers a call made earlier in the conversation (as OpenAI checks).
         call_ids: set = set()
+        calls_seen = False
         for i, m in enumerate(req.messages):
             if m.role == "assistant" and m.tool_calls:
+                calls_seen = True
                 call_ids.update(c.id for c in m.tool_calls if c.id)
             elif m.role == "tool":
-                if not call_ids and not any(p.role == "assistant" and p.tool_calls for p in req.messages[:i]):
+                if not calls_seen:
                     raise ApiError(400, "a message with role 'tool' must answer a preceding assistant message "
                                         "with 'tool_calls'", f"messages[{i}].role")
                 if call_ids and m.tool_call_id not in call_ids:
