@@ -203,7 +203,7 @@ def test_output_pipeline_streams_what_it_returns_whole():
 
 
 def test_steering_budget():
-    from lean_qwenflash.server.engine import Steering
+    from lean_qwenflash.generate import Steering
 
     close, open_ = 4, 3
     s = Steering(open_, close, [9, close, 10], think_budget=3, in_think=True)

@@ -2,29 +2,29 @@
 Claude Code and the ``anthropic`` SDK can talk to the server directly.
 
 Nothing here generates: a request is translated into the ``ChatCompletionRequest`` the OpenAI
-route takes (``to_chat_request``) and runs as the same chat job, with the same checks, queue and
-prefix cache. The job's deltas become Anthropic content blocks through ``ContentBlocks``, one fold
-for streamed and whole answers, so the two cannot disagree.
+route takes (``to_chat_request``) and runs as the same chat job (``service.Service.chat_job``),
+with the same checks, queue and prefix cache. The job's deltas become Anthropic content blocks
+through ``ContentBlocks``, one fold for streamed and whole answers, so the two cannot disagree.
 
 Usage follows Anthropic's convention: ``input_tokens`` are the prompt tokens computed for this
 request and ``cache_read_input_tokens`` those the prefix cache supplied; their sum is the prompt.
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import uuid
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import Field
 
-from lean_qwenflash.server.app import _collect, _Server, _sse, _stream_job
 from lean_qwenflash.server.engine import Job
-from lean_qwenflash.server.protocol import (MAX_STOP, REASONING_BUDGETS, ApiError, ChatCompletionRequest, _Strict,
+from lean_qwenflash.server.protocol import (MAX_STOP, REASONING_BUDGETS, ApiError, ChatCompletionRequest, Strict,
                                             check_unsupported, schema_problem)
+from lean_qwenflash.server.service import Service
+from lean_qwenflash.server.sse import event_stream, sse_event
 
 # output_config.effort (with thinking "adaptive") -> our reasoning_effort, whose budget is used.
 _EFFORTS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "xhigh", "max": "xhigh"}
@@ -33,13 +33,13 @@ _BLOCK_JOIN = "\n\n"             # between the text blocks of one message when t
 
 # -- request shapes -------------------------------------------------------------------------------
 
-class TextPart(_Strict):
+class TextPart(Strict):
     """A block of a system prompt or of a tool result's content (only "text" is accepted)."""
     type: str
     text: Optional[str] = None
 
 
-class ContentBlock(_Strict):
+class ContentBlock(Strict):
     """Any block of a message's content: one shape for every kind, whose fields
     ``to_chat_request`` checks (so an error names the block: messages[1].content[0].id)."""
     type: str
@@ -54,40 +54,40 @@ class ContentBlock(_Strict):
     signature: Optional[str] = None
 
 
-class AnthropicMessage(_Strict):
+class AnthropicMessage(Strict):
     role: Literal["user", "assistant"]
     content: Union[str, list[ContentBlock]]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(Strict):
     type: Optional[str] = None                                  # None / "custom": a client tool
     name: str = Field(min_length=1)
     description: Optional[str] = None
     input_schema: Optional[dict[str, Any]] = None
 
 
-class AnthropicToolChoice(_Strict):
+class AnthropicToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: Optional[str] = None
     disable_parallel_tool_use: Optional[bool] = None
 
 
-class ThinkingConfig(_Strict):
+class ThinkingConfig(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: Optional[int] = Field(None, ge=1)
 
 
-class OutputFormat(_Strict):
+class OutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     effort: Optional[Literal["low", "medium", "high", "xhigh", "max"]] = None
     format: Optional[OutputFormat] = None
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     """The prompt part of a request: what ``count_tokens`` takes (unknown fields are ignored:
     metadata, service_tier, cache_control...)."""
     model: str
@@ -362,45 +362,41 @@ def _usage(info: dict) -> dict:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\n" + _sse(data)
-
-
 def _message(mid: str, model: str, content: list, stop: tuple, usage: dict) -> dict:
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
 
-def _stream(srv: _Server, job: Job, request: Request, mid: str, max_tokens: int) -> AsyncIterator[str]:
+def _stream(srv: Service, job: Job, request: Request, mid: str, max_tokens: int) -> AsyncIterator[str]:
     blocks = ContentBlocks()
     # The prefix-cache hit is known only at the end: message_delta's usage (cumulative, as the SDK
     # reads it) then splits input_tokens into computed and cache-read tokens.
     start_usage = {"input_tokens": len(job.prompt_ids), "output_tokens": 0, "cache_read_input_tokens": 0,
                    "cache_creation_input_tokens": 0}
-    head = (_event("message_start", {"type": "message_start",
-                                     "message": _message(mid, srv.model_name, [], (None, None), start_usage)})
-            + _event("ping", {"type": "ping"}))
+    head = (sse_event("message_start", {"type": "message_start",
+                                        "message": _message(mid, srv.model_name, [], (None, None), start_usage)})
+            + sse_event("ping", {"type": "ping"}))
 
     def on_deltas(deltas) -> str:
-        return "".join(_event(name, data) for d in deltas for name, data in blocks.add(d))
+        return "".join(sse_event(name, data) for d in deltas for name, data in blocks.add(d))
 
     def on_done(info) -> str:
         reason, sequence = _stop_reason(info, job, blocks, max_tokens)
-        return ("".join(_event(name, data) for name, data in blocks.close())
-                + _event("message_delta", {"type": "message_delta",
-                                           "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                           "usage": _usage(info)})
-                + _event("message_stop", {"type": "message_stop"}))
+        return ("".join(sse_event(name, data) for name, data in blocks.close())
+                + sse_event("message_delta", {"type": "message_delta",
+                                              "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                              "usage": _usage(info)})
+                + sse_event("message_stop", {"type": "message_stop"}))
 
     def on_error(message: str) -> str:
-        return _event("error", ApiError(500, message, code="generation_failed").body_for("/v1/messages"))
+        return sse_event("error", ApiError(500, message, code="generation_failed").body_for("/v1/messages"))
 
-    return _stream_job(srv, job, request, head, on_deltas, on_done, on_error)
+    return srv.stream(job, request, head, on_deltas, on_done, on_error)
 
 
 # -- routes ---------------------------------------------------------------------------------------
 
-def register(app, srv: _Server) -> None:
+def register(app: FastAPI, srv: Service) -> None:
     """Add the Messages API routes to ``app`` (built by ``create_app`` around ``srv``)."""
 
     async def prepare(req: CountTokensRequest) -> Job:
@@ -408,7 +404,7 @@ def register(app, srv: _Server) -> None:
         srv.check_model(req.model)
         chat = to_chat_request(req)
         # Rendering and tokenizing a long conversation takes a while: off the event loop.
-        return await asyncio.to_thread(srv.chat_job, chat, asyncio.get_running_loop())
+        return await srv.build_job(srv.chat_job, chat)
 
     @app.post("/v1/messages")
     async def messages(req: MessagesRequest, request: Request):
@@ -416,10 +412,9 @@ def register(app, srv: _Server) -> None:
         srv.submit(job)
         mid = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
-            return StreamingResponse(_stream(srv, job, request, mid, req.max_tokens),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return event_stream(_stream(srv, job, request, mid, req.max_tokens))
         blocks = ContentBlocks()
-        info = await _collect(srv, job, request, lambda deltas: [blocks.add(d) for d in deltas])
+        info = await srv.collect(job, request, lambda deltas: [blocks.add(d) for d in deltas])
         if info is None:
             return Response(status_code=499)
         blocks.close()

@@ -1,10 +1,11 @@
 """The server's generations on the model: a worker thread, a bounded queue, interleaved decoding.
 
 The HTTP side builds a ``Job`` (prompt ids, sampling, per-token hooks such as thinking ``Steering``
-and grammar masks, an output pipeline from ``output.py``) and ``submit``s it; the worker runs it
-through the one decode loop, ``generate.Generator``, and hands events back to the job's asyncio
-loop: ``("delta", [deltas])`` as text appears, then ``("done", info)`` or ``("error", message)``.
-``Job.cancel()`` (client gone) is checked before every token, and before a queued job starts.
+from ``generate/steering.py`` and grammar masks, an output pipeline from ``output.py``) and
+``submit``s it; the worker runs it through the one decode loop, ``generate.Generator``, and hands
+events back to the job's asyncio loop: ``("delta", [deltas])`` as text appears, then
+``("done", info)`` or ``("error", message)``. ``Job.cancel()`` (client gone) is checked before
+every token, and before a queued job starts.
 
 Scheduling: up to ``max_active`` generations run at once, each advanced by one step (a prefill
 chunk or one token) in turn, so a short side request (an agent's title or summary) finishes in
@@ -26,48 +27,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from lean_qwenflash.generate import Generation, Generator, PrefixCache, SamplingParams, TokenHook
+from lean_qwenflash.generate import Generation, Generator, PrefixCache, SamplingParams, Steering, TokenHook
 
 log = logging.getLogger("lean_qwenflash.server")
 
 
 class QueueFull(Exception):
     """More requests are waiting than ``max_queue`` allows."""
-
-
-class Steering(TokenHook):
-    """The thinking budget: once ``think_budget`` tokens were generated inside the think block,
-    ``close_ids`` (e.g. "\\n</think>\\n\\n") are forced.
-
-    ``in_think``: the prompt opened ``<think>``. ``close_id`` is the single token that closes a
-    think block (budgets need one; both Qwen3's and our tokenizer have it). ``in_think`` is also
-    the gate of the answer's grammar (it applies once the think block is closed).
-    """
-
-    def __init__(self, open_id: Optional[int], close_id: Optional[int], close_ids: Sequence[int],
-                 think_budget: Optional[int], in_think: bool):
-        self.open_id, self.close_id = open_id, close_id
-        self.close_ids = list(close_ids)
-        self.think_budget = think_budget
-        self.in_think = in_think
-        self.think_tokens = 0           # tokens generated inside the think block (forced close included)
-        self.forced_closed = False
-        self.pending: list[int] = []
-
-    def forced(self) -> Optional[int]:
-        if (not self.pending and self.in_think and self.think_budget is not None and self.close_id is not None
-                and self.think_tokens >= self.think_budget):
-            self.pending = list(self.close_ids)
-            self.forced_closed = True
-        return self.pending.pop(0) if self.pending else None
-
-    def observe(self, token_id: int) -> None:
-        if self.in_think:
-            self.think_tokens += 1
-            if token_id == self.close_id:
-                self.in_think = False
-        elif token_id == self.open_id and self.think_tokens == 0:
-            self.in_think = True
 
 
 @dataclass

@@ -16,13 +16,13 @@ has started and h11 can still send one (otherwise the transport is just closed),
 connection is closed; an application still waiting for the body sees ``http.disconnect``.
 Nothing is timed while a response is being sent, so a stream that takes minutes is not affected.
 
-Why the body deadline is here and not in the ``_Guard`` middleware (which reads the whole body
-before any route runs): the head deadline can only live in the protocol (no ASGI code runs before
-the head is complete), and keeping both in one place gives one timer, one 408 path and one set of
-states to reason about. The protocol sees bytes arrive and can close the transport itself, whereas
+Why the body deadline is here and not in the ``Guard`` middleware (``middleware.py``, which reads
+the whole body before any route runs): the head deadline can only live in the protocol (no ASGI
+code runs before the head is complete), and keeping both in one place gives one timer, one 408
+path and one set of states to reason about. The protocol sees bytes arrive and can close the transport itself, whereas
 the middleware could only time its ``receive()`` calls and ask uvicorn to close by answering with
 ``Connection: close``. The body deadline thus holds for any route or middleware order. (The body
-is only read as fast as the application consumes it past uvicorn's 64 KiB buffer; ``_Guard``
+is only read as fast as the application consumes it past uvicorn's 64 KiB buffer; ``Guard``
 consumes it at once, so the deadline measures the client.)
 
 ``limit_concurrency`` is deliberately not set: uvicorn counts open *connections* against it and

@@ -105,27 +105,28 @@ def error_param(loc: tuple) -> Optional[str]:
     return out or None
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A request shape: field types are checked strictly, unknown fields ignored (both APIs' models)."""
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class ContentPart(_Strict):
+class ContentPart(Strict):
     type: str
     text: Optional[str] = None
 
 
-class ToolCallFunction(_Strict):
+class ToolCallFunction(Strict):
     name: str
     arguments: Union[str, dict[str, Any]] = "{}"
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(Strict):
     id: Optional[str] = None
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class Message(_Strict):
+class Message(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
@@ -134,44 +135,44 @@ class Message(_Strict):
     reasoning_content: Optional[str] = None
 
 
-class FunctionDef(_Strict):
+class FunctionDef(Strict):
     name: str = Field(min_length=1)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
 
-class Tool(_Strict):
+class Tool(Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(Strict):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(Strict):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: Optional[bool] = None
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(Strict):
     name: Optional[str] = None
     description: Optional[str] = None
     schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
     strict: Optional[bool] = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
 
-class _Sampling(_Strict):
+class _Sampling(Strict):
     model: str
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
