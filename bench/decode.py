@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lean_qwenflash.generate import Generator, new_state  # noqa: E402
-from lean_qwenflash.models import load_hf_checkpoint  # noqa: E402
+from lean_qwenflash.loader import load_hf_checkpoint  # noqa: E402
 
 # Qwen3-Next's proportions scaled to ~1.8 GB: many layers (3 DeltaNet : 1 attention), many small
 # experts (I = H/4), top-10 plus a shared expert of the same size, partial rotary.

@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from lean_qwenflash.experts.provider import ExpertWeights  # noqa: E402
 from lean_qwenflash.models import kernels, native  # noqa: E402
+from lean_qwenflash.models.policy import ExecContext, ExecPolicy  # noqa: E402
 from lean_qwenflash.quant import ENCODINGS, QuantTensor  # noqa: E402
 
 F16_FIELDS = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
@@ -120,11 +121,12 @@ def main() -> int:
         for t in threads_list:
             torch.set_num_threads(t)
             layer_bytes = one * top_k
+            contexts = {m: ExecContext(ExecPolicy(kernel_mode=m)) for m in ("fast", "exact")}
 
             def run(mode):
                 t0 = time.perf_counter()
                 for g in groups:
-                    kernels.experts_decode(x_c, g, w, mode=mode)
+                    kernels.experts_decode(x_c, g, w, contexts[mode])
                 return (time.perf_counter() - t0) / len(groups)
             run("fast")
             fast = min(run("fast") for _ in range(args.repeats))

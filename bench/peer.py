@@ -55,7 +55,7 @@ def build_checkpoint(out: Path, config: dict, seed: int = 0, dtype=None, residua
     below 1 the token embedding stays dominant in deep layers, so routing stays token-dependent."""
     import torch
     from safetensors.torch import save_file
-    from lean_qwenflash.models.loader import family_of
+    from lean_qwenflash.families import family_for
 
     if (out / "config.json").is_file():
         return
@@ -63,7 +63,7 @@ def build_checkpoint(out: Path, config: dict, seed: int = 0, dtype=None, residua
     gen = torch.Generator().manual_seed(seed)
     dtype = dtype or torch.bfloat16
     with torch.device("meta"):
-        model = family_of(config).build(config)
+        model = family_for(config).build(config)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
     def rand(shape, scale):

@@ -91,7 +91,7 @@ def evaluate(pack_dir: Path, windows: torch.Tensor, fast_windows: int) -> dict:
         out["exact"] = torch.cat([rt.model(w[None]) for w in windows])
         steps = {}
         for mode in ("exact", "fast"):
-            rt.model.set_expert_kernels(mode)
+            rt.model.set_policy(rt.model.policy.with_kernels(mode))
             rows = []
             for w in windows[:fast_windows]:
                 state = new_state(rt.model)

@@ -86,14 +86,14 @@ def build_pack(out: Path, config: dict, seed: int = 0) -> None:
     """Write a pack directly (no HF checkpoint in between: that would double the disk writes)."""
     from lean_qwenflash.families import family_for, moe_facts
     from lean_qwenflash.io_engine import crc32c
-    from lean_qwenflash.models.loader import family_of
+    from lean_qwenflash.families import family_for
 
     if (out / "manifest.json").is_file():
         return
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        model = family_of(config).build(config)
+        model = family_for(config).build(config)
     entries = [(k, tuple(v.shape), torch.bfloat16) for k, v in model.state_dict().items()]
     writer = StreamingSafetensorsWriter(out / fmt.RESIDENT, entries)
     from decode import ZERO_CENTRED

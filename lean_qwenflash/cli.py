@@ -202,6 +202,13 @@ def _hf_architectures() -> list[str]:
     return supported_architectures()
 
 
+def _gguf_architectures() -> list[str]:
+    """The registry's GGUF architecture names, each with its family where the name does not say it
+    (e.g. "llama (mixtral)")."""
+    from .families import gguf_architectures
+    return [g if g == family.replace("_", "") else f"{g} ({family})" for g, family in gguf_architectures().items()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lean-qwenflash",
@@ -221,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "tokenizer and chat template come from its metadata. Streams one tensor at a "
                                     "time, so checkpoints larger than RAM pack fine; the output appears only when "
                                     "complete. Hugging Face architectures: " + ", ".join(_hf_architectures()) +
-                                    ". GGUF architectures: qwen3moe, qwen3next, olmoe, llama (Mixtral).")
+                                    ". GGUF architectures: " + ", ".join(_gguf_architectures()) + ".")
     pk.add_argument("hf_dir", metavar="SOURCE",
                     help="checkpoint directory (e.g. one downloaded with `huggingface-cli download`) or GGUF file")
     pk.add_argument("out_dir", help="pack directory to create (must not exist unless --force)")

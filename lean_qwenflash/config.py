@@ -15,42 +15,11 @@ from typing import Optional
 
 import yaml
 
+from .common import EXPERT_KERNELS, KERNEL_ISAS, ConfigError, check_sampling, format_size, parse_size
+
 IO_ENGINES = ("auto", "uring", "pread")
 DTYPES = ("float32", "bfloat16", "float16")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message names the key."""
-
-
-def parse_size(value, key: str) -> int:
-    """Bytes from an int or a string such as "8GiB", "512 MiB", "1.5GB"."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a size like 8GiB or 512MiB, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, float) and value.is_integer():
-        n = int(value)
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{key}: cannot read {value!r} as a size; write e.g. 8GiB, 512MiB, 1.5GB or a byte count")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise ConfigError(f"{key}: expected a size like 8GiB or 512MiB, got {value!r}")
-    if n < 0:
-        raise ConfigError(f"{key}: size must not be negative, got {value!r}")
-    return n
-
-
-def format_size(n: int) -> str:
-    for unit, f in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= f:
-            return f"{n / f:.1f}{unit}"
-    return f"{n}B"
 
 
 @dataclass
@@ -111,15 +80,12 @@ class RuntimeConfig:
             raise ConfigError(f"io_engine: must be one of {', '.join(IO_ENGINES)}, got {self.io_engine!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        # The kernel modes and ISAs are defined where the kernels are.
-        from .models.kernels import EXPERT_KERNELS
-        from .models.native import KERNEL_ISAS as CPU_ISAS
         if self.expert_kernels not in EXPERT_KERNELS:
             raise ConfigError(f"expert_kernels: must be one of {', '.join(EXPERT_KERNELS)}, got {self.expert_kernels!r}")
         if self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be >= 0 (0: as many as torch uses), got {self.cpu_threads}")
-        if self.cpu_isa not in CPU_ISAS:
-            raise ConfigError(f"cpu_isa: must be one of {', '.join(CPU_ISAS)}, got {self.cpu_isa!r}")
+        if self.cpu_isa not in KERNEL_ISAS:
+            raise ConfigError(f"cpu_isa: must be one of {', '.join(KERNEL_ISAS)}, got {self.cpu_isa!r}")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 1 <= self.io_queue_depth <= 4096:
@@ -154,10 +120,9 @@ class RuntimeConfig:
         for key in ("max_tokens", "prefill_chunk_tokens"):
             if getattr(gen, key) < 1:
                 raise ConfigError(f"generation.{key}: must be >= 1, got {getattr(gen, key)}")
-        # Sampling values are checked where they are defined, so the rules live in one place.
-        from .generate.sampling import SamplingParams
+        # Sampling values are checked by the rules SamplingParams uses (common.SAMPLING_RULES).
         try:
-            SamplingParams(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p)
+            check_sampling(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p)
         except ValueError as err:
             raise ConfigError(f"generation: {err}") from None
         return self
@@ -230,3 +195,7 @@ def load_config(path=None, **overrides) -> RuntimeConfig:
         cfg.model = str((Path(path).parent / cfg.model).resolve())
     cfg.source = str(path) if path else None
     return cfg.validate()
+
+
+__all__ = ["ConfigError", "DTYPES", "EXPERT_KERNELS", "GenerationConfig", "IO_ENGINES", "KERNEL_ISAS", "REASONING_EFFORTS",
+           "RuntimeConfig", "ServerConfig", "format_size", "load_config", "parse_size"]

@@ -1,4 +1,8 @@
-"""Model construction from resident tensors, and HF checkpoint loading.
+"""Model assembly: a family's model from resident tensors plus an expert provider, and HF
+checkpoint loading.
+
+This sits above ``models`` (which never sees files or families' key tables), ``families``,
+``experts`` and ``store``, next to ``runtime``, which opens packs through it.
 
 Resident tensors (everything but routed experts) become the model's parameters under their HF
 names; routed experts go to an ``ExpertProvider``. The family (``lean_qwenflash.families``) builds
@@ -6,25 +10,17 @@ the model and declares the key layout the packer uses too, so both agree on ever
 """
 from __future__ import annotations
 
-from typing import Mapping, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
 from lean_qwenflash.experts.provider import ExpertProvider, ResidentExperts, aligned_record
-from lean_qwenflash.models.layers import Embedding, Linear
+from lean_qwenflash.families import family_for
+from lean_qwenflash.models.layers.linear import Embedding, Linear
+from lean_qwenflash.models.policy import ExecPolicy
 from lean_qwenflash.quant import QuantRows, QuantTensor
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
-
-def supported_architectures() -> list[str]:
-    from lean_qwenflash.families import supported_architectures
-    return supported_architectures()
-
-
-def family_of(config: dict):
-    """The ``Family`` of an HF config dict (the packer asks the same registry)."""
-    from lean_qwenflash.families import family_for     # (the families import this package's layers)
-    return family_for(config)
 
 
 def _names_list(names, limit: int = 20) -> str:
@@ -38,7 +34,7 @@ def check_resident(config: dict, shapes: Mapping[str, tuple]):
     shape of every resident tensor) are exactly its parameters; CheckpointError names the
     missing, unexpected and misshapen tensors."""
     with torch.device("meta"):
-        model = family_of(config).build(config)
+        model = family_for(config).build(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = expected.keys() - shapes.keys()
     unexpected = shapes.keys() - expected.keys()
@@ -56,14 +52,15 @@ def check_resident(config: dict, shapes: Mapping[str, tuple]):
 
 
 def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], provider: ExpertProvider,
-                dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"):
+                dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu",
+                policy: Optional[ExecPolicy] = None):
     """A ready-to-run model (eval mode) from an HF config dict and its resident tensors.
 
     ``resident_tensors`` are keyed by canonical checkpoint names (aliases are canonicalised);
     every model parameter must be present with the right shape, and nothing else. Routed-expert
     weights are never part of it: the model's sparse blocks ask ``provider``.
     """
-    names = family_of(config).layout
+    names = family_for(config).layout
     renamed = {naming.rename_key(names, k): v for k, v in resident_tensors.items()}
     tensors = {naming.canonical_resident_key(names, k): v for k, v in renamed.items()
                if not k.startswith(names.ignored_prefixes)}
@@ -84,11 +81,13 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     state = {k: tensors[k].to(device=device, dtype=dtype) for k in expected if k not in quantized}
     model.load_state_dict(state, strict=True, assign=True)
     model.set_expert_provider(provider)
+    if policy is not None:
+        model.set_policy(policy)
     return model.eval().requires_grad_(False)
 
 
 def load_hf_checkpoint(hf_dir: str, dtype: torch.dtype = torch.float32,
-                       device: Union[str, torch.device] = "cpu"):
+                       device: Union[str, torch.device] = "cpu", policy: Optional[ExecPolicy] = None):
     """(model, ResidentExperts) from an HF directory (config.json + *.safetensors shards).
 
     Read through the same ``HFCheckpoint`` the packer uses: tensors one at a time, routed experts
@@ -102,4 +101,4 @@ def load_hf_checkpoint(hf_dir: str, dtype: torch.dtype = torch.float32,
                       for e in range(num_experts)]
               for layer in ckpt.moe_layers()}
     provider = ResidentExperts(layers)
-    return build_model(ckpt.config, resident, provider, dtype, device), provider
+    return build_model(ckpt.config, resident, provider, dtype, device, policy), provider

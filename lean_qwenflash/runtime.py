@@ -6,27 +6,27 @@ store) knows nothing of configs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from .config import ConfigError, RuntimeConfig, load_config
 from .experts.provider import ResidentExperts
 from .experts.tiered import TieredExperts
-from .store import ExpertStore
-from .store.checkpoint import TORCH_DTYPES
+from .families import moe_facts
+from .generate.sampling import SamplingParams
+from .loader import build_model
+from .models.policy import ExecPolicy
 from .quant.floats import DTYPE_NAME
-
-if TYPE_CHECKING:  # imported lazily at run time (the generation package imports this module's users)
-    from .generate.sampling import SamplingParams
+from .store.checkpoint import TORCH_DTYPES
+from .store.reader import ExpertStore
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 
 
-def sampling_params(gen_cfg, **overrides) -> "SamplingParams":
+def sampling_params(gen_cfg, **overrides) -> SamplingParams:
     """SamplingParams from the config's generation defaults; an override that is not None wins.
     (The CLI and the server both build their sampling this way.)"""
-    from .generate.sampling import SamplingParams
     fields = ("temperature", "top_p", "top_k", "min_p")
     values = {k: getattr(gen_cfg, k) for k in fields}
     values.update({k: v for k, v in overrides.items() if v is not None})
@@ -67,8 +67,6 @@ class Runtime:
     def open(cls, cfg: Optional[RuntimeConfig] = None, resident_experts: bool = False) -> "Runtime":
         """Open ``cfg.model`` (a pack directory). ``resident_experts`` loads every expert into
         memory instead of streaming (the lossless reference)."""
-        from .models.loader import build_model
-
         cfg = cfg or load_config()
         if cfg.model is None:
             cfg.model = str(default_pack())
@@ -85,10 +83,9 @@ class Runtime:
                               f"{cfg.dtype}; set dtype to {sorted(expert_dtypes)[0]} (or re-pack with --dtype {cfg.dtype})")
         device = torch.device(cfg.device)
         resident = store.load_resident(device=device, dtype=dtype)
-        from .families import moe_facts
         top_k = moe_facts(config).top_k if store.manifest.layers else 1
         if resident_experts:
-            provider = store.load_all_experts()
+            provider = ResidentExperts.from_store(store)
             if device.type != "cpu":
                 provider = provider.to(device=device)
         else:
@@ -96,16 +93,9 @@ class Runtime:
                 store, host_cache_bytes=cfg.host_cache_bytes, top_k=top_k,
                 device=device, device_cache_bytes=cfg.device_cache_bytes, prefetch=cfg.prefetch,
                 prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
-        model = build_model(config, resident, provider, dtype=dtype, device=device)
+        model = build_model(config, resident, provider, dtype=dtype, device=device, policy=ExecPolicy.from_config(cfg))
         if isinstance(provider, TieredExperts):
             provider.set_predictors(model.expert_predictors())     # prefetch with the family's routing rule
-        model.set_expert_kernels(cfg.expert_kernels, cfg.cpu_isa)
-        if device.type == "cpu" and cfg.expert_kernels == "fast":
-            # Decode: the native kernels take every core; torch's small per-token ops run on one
-            # (models.base.CausalLM.decode_torch_threads).
-            from .models import native
-            native.set_threads(cfg.cpu_threads or torch.get_num_threads())
-            model.decode_torch_threads = 1
         tokenizer = None
         if (Path(cfg.model) / "tokenizer.json").is_file():
             from .chat import Tokenizer

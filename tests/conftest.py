@@ -17,12 +17,12 @@ def two_threads_split_everything(monkeypatch):
     (the suite otherwise runs one thread, where the split is off, and tiny weights stay under its
     size threshold). Shared by test_models and test_tiered."""
     # Imported here, not at the top: conftest loads for every test file, most never need the models.
-    from lean_qwenflash.models import kernels
-    from lean_qwenflash.models.layers import SparseMoeBlock
+    from lean_qwenflash.models import kernels, policy
 
     monkeypatch.setattr(kernels, "SPLIT_MIN_BYTES", 0)
-    # The routed experts' torch path is the one that splits (the native kernels thread by themselves).
-    monkeypatch.setattr(SparseMoeBlock, "expert_kernels", "exact")
+    # The routed experts' torch path is the one that splits (the native kernels thread by themselves):
+    # models built without a policy (load_hf_checkpoint) get exact kernels.
+    monkeypatch.setattr(policy, "DEFAULT_POLICY", policy.ExecPolicy(kernel_mode="exact"))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from lean_qwenflash.generate import Generator, SamplingParams, new_state
-from lean_qwenflash.models import kernels, layers, load_hf_checkpoint
+from lean_qwenflash.loader import load_hf_checkpoint
+from lean_qwenflash.models import kernels
+from lean_qwenflash.models.layers import deltanet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")
 
@@ -141,7 +143,7 @@ def test_qwen3_next_full_equals_chunked_equals_decode(path, monkeypatch):
     (128, 128, torch.float32, 3e-3),   # Qwen3-Next's heads (our layer always hands fla fp32)
 ], ids=["fp32-16x12", "bf16-16x12", "fp32-128x128"])
 def test_fla_chunk_matches_torch_delta_rule(dk, dv, dtype, tol):
-    """fla through kernels.chunked_delta_rule against layers.chunked_gated_delta_rule in fp64 on the
+    """fla through kernels.chunked_delta_rule against deltanet.chunked_gated_delta_rule in fp64 on the
     same inputs. Bounds: rounding the operands of our dots and triangular solve to TF32 (bf16) on the
     CPU gives relative errors up to 6e-4 (5e-3) per (batch, head); a wrong layout gives O(0.1-1)."""
     if kernels._fla_chunk is None:
@@ -162,7 +164,7 @@ def test_fla_chunk_matches_torch_delta_rule(dk, dv, dtype, tol):
     beta = torch.sigmoid(randn(batch, hv, num_tokens))
     state = 0.5 * randn(batch, hv, dk, dv)   # non-zero, as for every prefill chunk after the first
     inputs = [t.to(dtype) for t in (q, k, v, g, beta)]
-    want_out, want_state = layers.chunked_gated_delta_rule(*(t.double() for t in inputs), state)
+    want_out, want_state = deltanet.chunked_gated_delta_rule(*(t.double() for t in inputs), state)
 
     def torch_fallback(*args):
         raise AssertionError("the torch delta rule ran on CUDA although fla is installed")

@@ -67,7 +67,7 @@ def test_typed_config_errors_name_the_key():
 @pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
 def test_latent_attention_caches_the_latent_not_expanded_keys_and_values(family):
     from lean_qwenflash.generate import new_state
-    from lean_qwenflash.models import load_hf_checkpoint
+    from lean_qwenflash.loader import load_hf_checkpoint
 
     c = hf_models.case(family)
     model, _ = load_hf_checkpoint(c.path)
@@ -92,7 +92,7 @@ def test_latent_attention_long_prompt_matches_transformers(family):
     """1100 tokens (past the YaRN original context of 64 and the configured 256), prefilled in
     chunks through the latent cache, then decoded: transformers' logits."""
     from lean_qwenflash.generate import new_state
-    from lean_qwenflash.models import load_hf_checkpoint
+    from lean_qwenflash.loader import load_hf_checkpoint
 
     c = hf_models.case(family)
     model, _ = load_hf_checkpoint(c.path)
@@ -110,7 +110,7 @@ def test_gpt_oss_sliding_window_cache_stays_bounded_and_long_prompts_match():
     """300 tokens through window-8 layers: transformers' logits, chunked and token by token, while
     the window layers never hold more than 8 tokens' keys (the full layers hold all of them)."""
     from lean_qwenflash.generate import KVCache, SlidingKVCache, new_state
-    from lean_qwenflash.models import load_hf_checkpoint
+    from lean_qwenflash.loader import load_hf_checkpoint
 
     c = hf_models.case("gpt_oss")
     model, _ = load_hf_checkpoint(c.path)

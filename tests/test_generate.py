@@ -3,7 +3,7 @@ import pytest
 
 import hf_models
 from lean_qwenflash.generate import Generator, SamplingParams, new_state
-from lean_qwenflash.models import load_hf_checkpoint
+from lean_qwenflash.loader import load_hf_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ from safetensors.torch import load_file, save_file
 import hf_models
 from lean_qwenflash.experts.provider import ExpertProvider, ExpertWeights, ResidentExperts
 from lean_qwenflash.generate import Generator, SamplingParams, new_state
-from lean_qwenflash.models import CheckpointError, build_model, kernels, load_hf_checkpoint, supported_architectures
+from lean_qwenflash.families import supported_architectures
+from lean_qwenflash.loader import CheckpointError, build_model, load_hf_checkpoint
+from lean_qwenflash.models import kernels
 from lean_qwenflash.families import family_for, moe_facts
 from lean_qwenflash.store import naming
 

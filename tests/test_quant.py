@@ -9,6 +9,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
 
 from lean_qwenflash.models import kernels, native  # noqa: E402
+from lean_qwenflash.models.policy import ExecContext, ExecPolicy  # noqa: E402
 from lean_qwenflash.quant import ENCODINGS, QuantTensor, get_encoding  # noqa: E402
 from lean_qwenflash.experts.provider import ExpertWeights  # noqa: E402
 
@@ -185,7 +186,7 @@ def test_moe_decode_matches_torch_reference(isa, gate_up, down, num):
     tol = 1e-5 if ENCODINGS[gate_up].is_float and ENCODINGS[down].is_float else 3e-2
     assert ((out - want).norm() / want.norm()).item() < tol
     # the torch exact path computes the same product from the dequantized weights
-    exact = kernels.experts_decode(x, experts, weights, mode="exact")[0].double()
+    exact = kernels.experts_decode(x, experts, weights, ExecContext(ExecPolicy(kernel_mode="exact")))[0].double()
     assert ((exact - want).norm() / want.norm()).item() < 1e-5
 
 

@@ -12,7 +12,7 @@ from lean_qwenflash.config import load_config
 from lean_qwenflash.experts.provider import ResidentExperts, aligned_record
 from lean_qwenflash.generate.generator import Generator
 from lean_qwenflash.generate.sampling import SamplingParams
-from lean_qwenflash.models.loader import build_model
+from lean_qwenflash.loader import build_model
 from lean_qwenflash.quant import QuantTensor
 from lean_qwenflash.runtime import Runtime
 from lean_qwenflash.store import ExpertStore, pack
@@ -87,7 +87,7 @@ def test_streamed_equals_resident_bit_for_bit(family, preset, packs):
 def _dequantized_reference(path):
     """The pack's model with every expert dequantized to fp32 and held as float tensors."""
     with ExpertStore.open(path) as store:
-        experts = store.load_all_experts()
+        experts = ResidentExperts.from_store(store)
         layers = {l: [aligned_record(*(t.dequantize() if isinstance(t, QuantTensor) else t.float() for t in w))
                       for w in ws] for l, ws in experts.layers.items()}
         resident = {k: v.dequantize() if isinstance(v, QuantTensor) else v for k, v in store.load_resident().items()}
@@ -115,11 +115,11 @@ def test_quantized_logits_match_the_dequantized_fp32_model(family, packs):
     for preset in ("q4_k_m", "q8_0"):
         path = packs(family, preset)
         ref = _dequantized_reference(path)
-        ref.set_expert_kernels("exact")
+        ref.set_policy(ref.policy.with_kernels("exact"))
         with Runtime.open(load_config(model=str(path), expert_kernels="exact"), resident_experts=True) as rt:
             torch.testing.assert_close(rt.model(PROMPT), ref(PROMPT), rtol=1e-4, atol=1e-5)
             exact = _token_by_token(rt.model)
-            rt.model.set_expert_kernels("fast")
+            rt.model.set_policy(rt.model.policy.with_kernels("fast"))
             fast = _token_by_token(rt.model)
         weight_cost, act_cost = _kl(float_logits, exact), _kl(exact, fast)
         if preset == "q4_k_m":
@@ -236,9 +236,10 @@ def test_cuda_quantized_experts_match_cpu_exact(preset, packs):
 
 
 def test_decode_steps_run_torch_on_one_thread_and_restore_it(packs, monkeypatch):
-    """...and keep the kernel threads spinning (native.DECODE_SPIN) only while a step runs."""
+    """...and keep the kernel threads spinning (the policy's decode_spin) only while a step runs."""
     seen = []
     from lean_qwenflash.models import kernels, native
+    from lean_qwenflash.models.policy import DECODE_SPIN
     real = kernels.experts_decode
 
     def spy(*a, **k):
@@ -252,13 +253,13 @@ def test_decode_steps_run_torch_on_one_thread_and_restore_it(packs, monkeypatch)
     native.set_spin(default_spin)
     try:
         with Runtime.open(load_config(model=str(packs("mixtral", "q4_k")), cpu_threads=2), resident_experts=True) as rt:
-            assert rt.model.decode_torch_threads == 1
+            assert rt.model.policy.decode_torch_threads == 1 and rt.model.policy.native_threads == 2
             list(Generator(rt.model).generate(PROMPT[0].tolist(), GREEDY, 3))
             assert torch.get_num_threads() == 2
         decode = [s for s in seen if s[0] == 1]
-        assert decode and set(decode) == {(1, native.DECODE_SPIN)}       # one-token steps
+        assert decode and set(decode) == {(1, DECODE_SPIN)}       # one-token steps
         assert {s for s in seen if s[0] != 1} <= {(2, default_spin)}     # the prefill
-        assert native.set_spin(default_spin) == default_spin != native.DECODE_SPIN
+        assert native.set_spin(default_spin) == default_spin != DECODE_SPIN
     finally:
         torch.set_num_threads(1)
     with pytest.raises(Exception, match="cpu_threads: must be >= 0"):
@@ -272,9 +273,9 @@ def test_float_linears_take_the_native_kernel_in_fast_mode_only(packs):
     with Runtime.open(load_config(model=str(packs("qwen3_moe", "q4_k_m"))), resident_experts=True) as rt:
         router = rt.model.moe_blocks()[0].gate
         x = torch.randn(1, 1, router.in_features, generator=torch.Generator().manual_seed(0))
-        rt.model.set_expert_kernels("fast")
-        assert router.float_kernel == "fast"
+        rt.model.set_policy(rt.model.policy.with_kernels("fast"))
+        assert router.ctx.policy.float_native
         fast = router(x)
         torch.testing.assert_close(fast, F.linear(x, router.weight), rtol=1e-5, atol=1e-6)
-        rt.model.set_expert_kernels("exact")
+        rt.model.set_policy(rt.model.policy.with_kernels("exact"))
         assert torch.equal(router(x), F.linear(x, router.weight))

@@ -7,20 +7,16 @@ so they cannot be evicted mid-compute).
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 
 from ..quant import QuantTensor
+from ..store.format import ExpertWeights
 
 # A projection as a provider serves it: a float tensor (f32/f16/bf16 records), or the raw rows of a
 # block-quantized matrix. Providers never look inside; kernels.expert_mlp dispatches on it.
 Weight = Union[torch.Tensor, QuantTensor]
-
-
-class ExpertWeights(NamedTuple):
-    gate_up: Weight   # [2I, H]: gate rows then up rows
-    down: Weight      # [H, I]
 
 
 RECORD_ALIGNMENT_BYTES = 4096
@@ -82,6 +78,17 @@ class ResidentExperts(ExpertProvider):
 
     def __init__(self, layers: dict[int, list[ExpertWeights]]):
         self.layers = layers
+
+    @classmethod
+    def from_store(cls, store) -> "ResidentExperts":
+        """Every routed expert of an ``ExpertStore`` read into memory (the lossless reference):
+        each layer in one aligned buffer, records at their store offsets."""
+        layers = {}
+        for rec in store.manifest.layers:
+            buf = store.read_layer(rec.layer_idx)
+            layers[rec.layer_idx] = [store.expert_views(rec.layer_idx, buf, e * rec.record_bytes)
+                                     for e in range(rec.num_experts)]
+        return cls(layers)
 
     def acquire(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
         experts = self.layers[layer_idx]

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..config import ConfigError, format_size
+from ..common import ConfigError, format_size
 from ..io_engine import AlignedBuffer
 from ..store.reader import record_views
 from .cache import READING, SlotCache
@@ -296,7 +296,7 @@ class TieredExperts(ExpertProvider):
     # -- prefetch -------------------------------------------------------------------------------
     def set_predictors(self, predictors: dict) -> None:
         """{layer: predict(hidden [N, H], n) -> expert ids [N, n]}: each sparse layer's routing rule
-        (the model's routers, ``Router.predict``), applied to a stale input to guess its experts.
+        (each sparse block's ``predict``: its router's rule), applied to a stale input to guess its experts.
         With prefetch on, every sparse layer but the first needs one: a family that cannot predict
         is an error here, not a silently disabled prefetch."""
         missing = [l for l in self.layers[1:] if l not in predictors]

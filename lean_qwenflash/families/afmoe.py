@@ -12,20 +12,31 @@
 from __future__ import annotations
 
 from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts, periodic_layer_types
-from lean_qwenflash.models.base import CausalLM, SandwichDecoderLayer, attention_head_dim, rotary_from_config
-from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SigmoidBiasRouter, SparseMoeBlock
 
 
 def facts(r: ConfigReader) -> MoEFacts:
     return dense_prefix_facts(r, r.positive("num_experts"), r.get("num_dense_layers", int, 1))
 
 
-def build(config: dict) -> CausalLM:
-    r = ConfigReader(config, "AfmoeForCausalLM")
+def build(config: dict):
+    """AfMoE's oddities are their own classes: ``GateProjAttention`` (the output gate's own
+    projection), ``ExpertBiasMoeBlock`` with ``SigmoidBiasRouter`` (the block's expert bias) and
+    ``SandwichDecoderLayer``."""
+    from functools import partial
+
+    from lean_qwenflash.models.base import CausalLM, SandwichDecoderLayer
+    from lean_qwenflash.models.layers.attention import GateProjAttention
+    from lean_qwenflash.models.layers.mlp import MLP
+    from lean_qwenflash.models.layers.norm import RMSNorm
+    from lean_qwenflash.models.layers.rope import Rotary, attention_head_dim, rope_config
+    from lean_qwenflash.models.moe.block import ExpertBiasMoeBlock
+    from lean_qwenflash.models.moe.routers import SigmoidBiasRouter
+
+    r = FAMILY.reader(config)
     f = facts(r)
     hidden = f.hidden_size
     eps = r.get("rms_norm_eps", float, 1e-5)
-    head_dim = attention_head_dim(config)
+    head_dim = attention_head_dim(r)
     types = periodic_layer_types(r, "sliding_attention", r.positive("global_attn_every_n_layers", 4))
     window = r.positive("sliding_window") if "sliding_attention" in types else None
     heads = r.positive("num_attention_heads")
@@ -34,17 +45,16 @@ def build(config: dict) -> CausalLM:
     layers = []
     for i, kind in enumerate(types):
         local = kind == "sliding_attention"
-        attn = Attention(hidden, heads, r.get("num_key_value_heads", int, heads), head_dim, norm_eps=eps,
-                         bias=r.get("attention_bias", bool, False), qk_norm="head", gate_proj=True,
-                         sliding_window=window if local else None, use_rope=local)
+        attn = GateProjAttention(hidden, heads, r.get("num_key_value_heads", int, heads), head_dim,
+                                 bias=r.get("attention_bias", bool, False), qk_norm=partial(RMSNorm, eps=eps),
+                                 sliding_window=window if local else None, use_rope=local)
         if i in sparse:
             router = SigmoidBiasRouter(hidden, f.num_experts, f.top_k, r.get("route_scale", float, 1.0))
-            mlp = SparseMoeBlock(router, i, hidden, shared, router_name="router.gate", shared_gated=False)
-            mlp.add_expert_bias()
+            mlp = ExpertBiasMoeBlock(router, i, hidden, shared, router_name="router.gate", shared_gated=False)
         else:
             mlp = MLP(hidden, r.positive("intermediate_size"))
         layers.append(SandwichDecoderLayer("self_attn", attn, "mlp", mlp, [RMSNorm(hidden, eps) for _ in range(4)]))
-    model = CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))
+    model = CausalLM(r.config, layers, types, RMSNorm(hidden, eps), Rotary(head_dim, rope_config(r)))
     if r.get("mup_enabled", bool, False):
         model.embed_scale = hidden ** 0.5
     return model

@@ -1,13 +1,19 @@
-"""What a model family declares: its architectures, checkpoint key layout, typed config and builder.
+"""What a model family declares: its architectures, checkpoint key layout, typed config, builder
+and, where llama.cpp runs it, its GGUF names (a ``GGUFArch``, see :mod:`.gguf`).
 
-A family is one file in this package that creates one ``Family``; ``families/__init__.py`` collects
-them. Everything else asks the registry: the packer and the checkpoint readers for the key layout
-and the MoE layers, the model loader for ``build``, the tests for the list of families.
+A family is one file in this package that creates one ``Family``; ``families/__init__.py`` maps
+architecture strings, model types and GGUF architecture names to those files and imports one only
+when asked. Everything else asks the registry: the packer and the checkpoint readers for the key
+layout and the MoE layers, the model loader for ``build``, the GGUF importer and exporter for the
+GGUF names, the tests for the list of families.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+if TYPE_CHECKING:     # (the vocabulary imports torch; base does not need it at run time)
+    from lean_qwenflash.families.gguf import GGUFArch
 
 
 class UnsupportedArchitecture(ValueError):
@@ -114,6 +120,8 @@ class Family:
     ``CausalLM`` on the current default device, with HF attribute names so that its
     ``state_dict()`` keys are the checkpoint's resident keys. ``text_config(config)`` returns the
     config of the part we run (a multimodal checkpoint's text model), used before anything else.
+    ``gguf``: the family's GGUF declaration (llama.cpp architecture name, tensor names, transforms,
+    metadata keys; :mod:`.gguf`), for families llama.cpp runs.
     """
 
     name: str
@@ -124,6 +132,8 @@ class Family:
     build_fn: Callable[[dict], Any]
     text_config_fn: Optional[Callable[[dict], dict]] = None
     notes: tuple = field(default_factory=tuple)    # what the runtime skips and says so (e.g. a vision tower)
+    # GGUF tensor names, transforms and metadata keys (None: no llama.cpp architecture for it)
+    gguf: Optional[GGUFArch] = None
 
     def text_config(self, config: dict) -> dict:
         return self.text_config_fn(config) if self.text_config_fn else config

@@ -7,8 +7,6 @@ skipped."""
 from __future__ import annotations
 
 from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts
-from lean_qwenflash.models.base import CausalLM, DecoderLayer, attention_head_dim, rotary_from_config
-from lean_qwenflash.models.layers import MLP, Attention, RMSNorm, SigmoidGroupRouter, SparseMoeBlock
 
 
 def facts(r: ConfigReader) -> MoEFacts:
@@ -16,33 +14,45 @@ def facts(r: ConfigReader) -> MoEFacts:
                               r.get("first_k_dense_replace", int, 1))
 
 
-def grouped_router(r: ConfigReader, f: MoEFacts) -> SigmoidGroupRouter:
-    """The DeepSeek-V3 rule's router from its config keys (GLM-4.5 and DeepSeek-V3 share them)."""
+def grouped_router(r: ConfigReader, f: MoEFacts):
+    """The DeepSeek-V3 rule's router (a ``SigmoidGroupRouter``) from its config keys (GLM-4.5 and
+    DeepSeek-V3 share them)."""
+    from lean_qwenflash.models.moe.routers import SigmoidGroupRouter
+
     return SigmoidGroupRouter(f.hidden_size, f.num_experts, f.top_k, r.get("norm_topk_prob", bool, True),
                               r.get("routed_scaling_factor", float, 1.0), r.positive("n_group", 1),
                               r.positive("topk_group", 1))
 
 
-def build(config: dict) -> CausalLM:
-    r = ConfigReader(config, "Glm4MoeForCausalLM")
+def build(config: dict):
+    from functools import partial
+
+    from lean_qwenflash.models.base import CausalLM, DecoderLayer
+    from lean_qwenflash.models.layers.attention import Attention
+    from lean_qwenflash.models.layers.mlp import MLP
+    from lean_qwenflash.models.layers.norm import RMSNorm
+    from lean_qwenflash.models.layers.rope import Rotary, attention_head_dim, rope_config
+    from lean_qwenflash.models.moe.block import SparseMoeBlock
+
+    r = FAMILY.reader(config)
     f = facts(r)
     hidden = f.hidden_size
     eps = r.get("rms_norm_eps", float, 1e-5)
-    head_dim = attention_head_dim(config)
+    head_dim = attention_head_dim(r)
     sparse = set(f.moe_layers)
     shared = f.expert_intermediate * r.get("n_shared_experts", int, 1)
     layers = []
     for i in range(f.num_layers):
         attn = Attention(hidden, r.positive("num_attention_heads"), r.positive("num_key_value_heads"), head_dim,
-                         norm_eps=eps, bias=r.get("attention_bias", bool, False), o_bias=False,
-                         qk_norm="head" if r.get("use_qk_norm", bool, False) else None)
+                         bias=r.get("attention_bias", bool, False), o_bias=False,
+                         qk_norm=partial(RMSNorm, eps=eps) if r.get("use_qk_norm", bool, False) else None)
         if i in sparse:
             mlp = SparseMoeBlock(grouped_router(r, f), i, hidden, shared, shared_gated=False)
         else:
             mlp = MLP(hidden, r.positive("intermediate_size"))
         layers.append(DecoderLayer("self_attn", attn, "mlp", mlp, RMSNorm(hidden, eps), RMSNorm(hidden, eps)))
-    rotary = rotary_from_config(config, head_dim, default_partial=0.5)
-    return CausalLM(config, layers, ["full_attention"] * f.num_layers, RMSNorm(hidden, eps), rotary)
+    rotary = Rotary(head_dim, rope_config(r, default_partial=0.5))
+    return CausalLM(r.config, layers, ["full_attention"] * f.num_layers, RMSNorm(hidden, eps), rotary)
 
 
 FAMILY = Family(name="glm4_moe", architectures=("Glm4MoeForCausalLM",), model_types=("glm4_moe",),

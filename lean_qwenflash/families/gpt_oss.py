@@ -10,8 +10,6 @@ the plain SwiGLU only), so GPT-OSS does not get the native expert kernels yet.
 from __future__ import annotations
 
 from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts, periodic_layer_types
-from lean_qwenflash.models.base import CausalLM, DecoderLayer, attention_head_dim, rotary_from_config
-from lean_qwenflash.models.layers import Attention, ClampedSwiGLUExperts, RMSNorm, SparseMoeBlock, TopKSoftmaxRouter
 
 
 def facts(r: ConfigReader) -> MoEFacts:
@@ -19,24 +17,35 @@ def facts(r: ConfigReader) -> MoEFacts:
                               intermediate_key="intermediate_size", top_k_aliases=("experts_per_token",))
 
 
-def build(config: dict) -> CausalLM:
-    r = ConfigReader(config, "GptOssForCausalLM")
+def build(config: dict):
+    """GPT-OSS's oddities are their own classes: ``SinkAttention`` (per-head sinks),
+    ``TopKSoftmaxRouter`` and ``ClampedSwiGLUExperts`` (the biased, clamped expert math)."""
+    from lean_qwenflash.models.base import CausalLM, DecoderLayer
+    from lean_qwenflash.models.layers.attention import SinkAttention
+    from lean_qwenflash.models.layers.norm import RMSNorm
+    from lean_qwenflash.models.layers.rope import Rotary, attention_head_dim, rope_config
+    from lean_qwenflash.models.moe.block import SparseMoeBlock
+    from lean_qwenflash.models.moe.experts import ClampedSwiGLUExperts
+    from lean_qwenflash.models.moe.routers import TopKSoftmaxRouter
+
+    r = FAMILY.reader(config)
     f = facts(r)
     hidden = f.hidden_size
     eps = r.get("rms_norm_eps", float, 1e-5)
-    head_dim = attention_head_dim(config)
+    head_dim = attention_head_dim(r)
     types = periodic_layer_types(r, "sliding_attention", 2)
     window = r.positive("sliding_window") if "sliding_attention" in types else None
     layers = []
     for i, kind in enumerate(types):
-        attn = Attention(hidden, r.positive("num_attention_heads"), r.positive("num_key_value_heads"), head_dim,
-                         norm_eps=eps, bias=r.get("attention_bias", bool, True), sinks=True,
-                         sliding_window=window if kind == "sliding_attention" else None)
-        block = SparseMoeBlock(TopKSoftmaxRouter(hidden, f.num_experts, f.top_k), i, hidden, router_name="router")
-        block.set_expert_fn(ClampedSwiGLUExperts(f.num_experts, hidden, f.expert_intermediate,
-                                                 r.get("swiglu_alpha", float, 1.702), r.get("swiglu_limit", float, 7.0)))
+        attn = SinkAttention(hidden, r.positive("num_attention_heads"), r.positive("num_key_value_heads"), head_dim,
+                             bias=r.get("attention_bias", bool, True),
+                             sliding_window=window if kind == "sliding_attention" else None)
+        experts = ClampedSwiGLUExperts(f.num_experts, hidden, f.expert_intermediate,
+                                       r.get("swiglu_alpha", float, 1.702), r.get("swiglu_limit", float, 7.0))
+        block = SparseMoeBlock(TopKSoftmaxRouter(hidden, f.num_experts, f.top_k), i, hidden, router_name="router",
+                               experts=experts)
         layers.append(DecoderLayer("self_attn", attn, "mlp", block, RMSNorm(hidden, eps), RMSNorm(hidden, eps)))
-    return CausalLM(config, layers, types, RMSNorm(hidden, eps), rotary_from_config(config, head_dim))
+    return CausalLM(r.config, layers, types, RMSNorm(hidden, eps), Rotary(head_dim, rope_config(r)))
 
 
 FAMILY = Family(name="gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",),

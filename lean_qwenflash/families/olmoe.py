@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts
-from lean_qwenflash.models.moe_transformer import build_moe_transformer
+from lean_qwenflash.families.gguf import ATTENTION, GGUFArch
 
 
 def facts(r: ConfigReader) -> MoEFacts:
@@ -12,11 +12,18 @@ def facts(r: ConfigReader) -> MoEFacts:
 
 
 def build(config: dict):
-    r = ConfigReader(config, "OlmoeForCausalLM")
-    return build_moe_transformer(config, r, facts(r), "mlp", qk_norm="full",
-                                 norm_topk_prob=r.get("norm_topk_prob", bool, False),
-                                 clip_qkv=r.get("clip_qkv", float, None))
+    from lean_qwenflash.models.layers.attention import FlatQKNormAttention
+    from lean_qwenflash.models.moe_transformer import build_moe_transformer
+
+    r = FAMILY.reader(config)
+    return build_moe_transformer(r, facts(r), "mlp", qk_norm=True, norm_topk_prob=r.get("norm_topk_prob", bool, False),
+                                 attention=FlatQKNormAttention, clip_qkv=r.get("clip_qkv", float, None))
+
+
+# -- GGUF (llama.cpp's "olmoe"; expert count and width under the keys facts() reads) ---------------
+GGUF = GGUFArch("olmoe", dict(ATTENTION), implied_config={"norm_topk_prob": False},
+                expert_width_key="intermediate_size")
 
 
 FAMILY = Family(name="olmoe", architectures=("OlmoeForCausalLM",), model_types=("olmoe",),
-                layout=ExpertLayout(), facts_fn=facts, build_fn=build)
+                layout=ExpertLayout(), facts_fn=facts, build_fn=build, gguf=GGUF)

@@ -7,7 +7,7 @@ sigmoid-gated shared expert — with the DeltaNet input projections stored as fo
 Multimodal checkpoints nest the text model (``text_config``; keys under ``model.language_model.``):
 we run the text model and skip the vision tower (``model.visual.*``) and the MTP head (``mtp.*``);
 the pack says so. For text-only input the multimodal rotary (``mrope_section``) is the plain
-partial rotary, so ``rotary_from_config`` covers it.
+partial rotary, so ``Rotary`` covers it.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def text_config(config: dict) -> dict:
 
 
 def build(config: dict):
-    return build_hybrid(config, deltanet_kw={"split_projections": True})
+    return build_hybrid(FAMILY.reader(config), split_projections=True)
 
 
 FAMILY = Family(

@@ -107,7 +107,7 @@ class GrammarHook(TokenHook):
     """Masks sampled tokens to a Lark grammar (llguidance syntax) while ``gate()`` is true.
 
     Hooks run in list order: put this one before a hook whose ``observe`` flips the gate (the
-    server's thinking ``Steering``), so the token that closes the think block is not fed to it.
+    thinking ``Steering`` of generate/steering.py), so the token that closes the think block is not fed to it.
     """
 
     def __init__(self, tokenizer, vocab_size: int, lark: str, gate: Optional[Callable[[], bool]] = None):

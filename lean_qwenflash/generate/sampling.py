@@ -1,12 +1,15 @@
 """Sampling parameters (validated) and next-token selection from logits."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from lean_qwenflash.common import check_sampling
 
 
 @dataclass(frozen=True)
@@ -29,23 +32,7 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        def check(name, ok, allowed):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not ok(value):
-                raise ValueError(f"sampling parameter {name}={value!r} is invalid; allowed: {allowed}")
-
-        def number(v):
-            return isinstance(v, (int, float)) and math.isfinite(v)
-
-        check("temperature", lambda v: number(v) and v >= 0, "a number >= 0 (0 = greedy)")
-        check("top_k", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (0 = off)")
-        check("top_p", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]")
-        check("min_p", lambda v: number(v) and 0 <= v < 1, "a number in [0, 1)")
-        check("repetition_penalty", lambda v: number(v) and v > 0, "a number > 0 (1 = off)")
-        check("presence_penalty", lambda v: number(v) and -2 <= v <= 2, "a number in [-2, 2]")
-        check("frequency_penalty", lambda v: number(v) and -2 <= v <= 2, "a number in [-2, 2]")
-        check("seed", lambda v: v is None or (isinstance(v, int) and 0 <= v < 2 ** 63),
-              "None or an integer in [0, 2**63)")
+        check_sampling(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,8 @@
-"""Model runtime: device-agnostic torch implementations of the supported MoE families."""
-from lean_qwenflash.models.base import CausalLM
-from lean_qwenflash.models.loader import (CheckpointError, build_model, family_of, load_hf_checkpoint,
-                                          supported_architectures)
+"""Model runtime: device-agnostic torch implementations of the supported MoE families' layers.
 
-__all__ = ["CausalLM", "CheckpointError", "build_model", "family_of", "load_hf_checkpoint",
-           "supported_architectures"]
+Models never see files, families' key tables or configs: ``lean_qwenflash.loader`` assembles a
+model from a family's ``build`` and resident tensors, and hands it an expert provider.
+"""
+from lean_qwenflash.models.base import CausalLM
+
+__all__ = ["CausalLM"]

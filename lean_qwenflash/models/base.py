@@ -5,14 +5,17 @@ contract with per-layer state (``lean_qwenflash.generate.state``).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import nn
 
-from lean_qwenflash.models import kernels, native
-from lean_qwenflash.models.layers import Attention, Embedding, Linear, Rotary, SparseMoeBlock
+from lean_qwenflash.models import native
+from lean_qwenflash.models.layers.attention import Attention
+from lean_qwenflash.models.layers.linear import Embedding, Linear
+from lean_qwenflash.models.layers.rope import Rotary
+from lean_qwenflash.models.moe.block import SparseMoeBlock
+from lean_qwenflash.models.policy import ExecContext, ExecPolicy
 
 
 class DecoderLayer(nn.Module):
@@ -25,13 +28,14 @@ class DecoderLayer(nn.Module):
         setattr(self, mlp_name, mlp)
         self.input_layernorm = input_layernorm
         self.post_attention_layernorm = post_attention_layernorm
-        # Unregistered references: avoid nn.Module.__getattr__ on the hot path, no duplicate keys.
-        object.__setattr__(self, "_mixer", mixer)
-        object.__setattr__(self, "_mlp", mlp)
+        # Plain references in a tuple (not registered again: no duplicate keys), so that the hot
+        # path avoids nn.Module.__getattr__.
+        self._blocks = (mixer, mlp)
 
     def forward(self, x: torch.Tensor, rope, state) -> torch.Tensor:
-        x = x + self._mixer(self.input_layernorm(x), rope, state)
-        return x + self._mlp(self.post_attention_layernorm(x))
+        mixer, mlp = self._blocks
+        x = x + mixer(self.input_layernorm(x), rope, state)
+        return x + mlp(self.post_attention_layernorm(x))
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -44,8 +48,9 @@ class SandwichDecoderLayer(DecoderLayer):
         self.pre_mlp_layernorm, self.post_mlp_layernorm = norms[2], norms[3]
 
     def forward(self, x: torch.Tensor, rope, state) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self._mixer(self.input_layernorm(x), rope, state))
-        return x + self.post_mlp_layernorm(self._mlp(self.pre_mlp_layernorm(x)))
+        mixer, mlp = self._blocks
+        x = x + self.post_attention_layernorm(mixer(self.input_layernorm(x), rope, state))
+        return x + self.post_mlp_layernorm(mlp(self.pre_mlp_layernorm(x)))
 
 
 class CausalLM(nn.Module):
@@ -56,11 +61,6 @@ class CausalLM(nn.Module):
     ``layer_types[i]`` is "full_attention", "sliding_attention" (then ``sliding_window`` is set) or
     "linear_attention" and tells the generator which state each layer needs.
     """
-
-    # Torch intra-op threads during one-token steps on CPU (None: leave torch's setting). With the
-    # native kernels doing the heavy products on their own threads, torch's small per-token ops run
-    # faster on one thread than fighting them for the cores (q4_k_m decode 35 -> 43 tok/s).
-    decode_torch_threads = None
 
     def __init__(self, config: dict, layers: list[DecoderLayer], layer_types: list[str], norm: nn.Module,
                  rotary: Optional[Rotary]):
@@ -82,6 +82,26 @@ class CausalLM(nn.Module):
         self.embed_scale = 1.0          # muP input scaling (AfMoE): embeddings times this
         self.rotary = rotary
         self._layers = list(layers)
+        self.exec = ExecContext()       # this model's policy and workspace, shared by its modules
+        self._bind_exec()
+
+    def _bind_exec(self) -> None:
+        """Point every module that computes with the policy (those whose class has a ``ctx``) at
+        this model's context."""
+        for m in self.modules():
+            if hasattr(type(m), "ctx"):
+                m.ctx = self.exec
+
+    @property
+    def policy(self) -> ExecPolicy:
+        return self.exec.policy
+
+    def set_policy(self, policy: ExecPolicy) -> None:
+        """How this model computes from now on (see ``models.policy``); other models are unaffected."""
+        if not isinstance(policy, ExecPolicy):
+            raise TypeError(f"set_policy: expected an ExecPolicy, got {type(policy).__name__}")
+        self.exec.policy = policy
+        self._bind_exec()          # (modules added after construction join too)
 
     def moe_blocks(self) -> list[SparseMoeBlock]:
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
@@ -89,37 +109,25 @@ class CausalLM(nn.Module):
     def expert_predictors(self) -> dict:
         """{layer: predict(hidden, n) -> expert ids [N, n]}: each sparse block's own routing rule,
         for a prefetcher that guesses a layer's experts from an earlier layer's input."""
-        return {block.layer_idx: block.router.predict for block in self.moe_blocks()}
+        return {block.layer_idx: block.predict for block in self.moe_blocks()}
 
     def set_expert_provider(self, provider) -> None:
         """Route every sparse block's expert requests to ``provider`` (resident or streaming)."""
         for block in self.moe_blocks():
             block.provider = provider
 
-    @torch.inference_mode()
-    def set_expert_kernels(self, mode: str = "fast", isa: str = "auto") -> None:
-        """Math on quantized weights (routed experts, quantized resident linears): ``exact`` or ``fast``
-        (see models.kernels);
-        ``isa`` forces a native kernel path (auto, scalar, avx2, avx512)."""
-        if mode not in kernels.EXPERT_KERNELS or isa not in native.KERNEL_ISAS:
-            raise ValueError(f"expert kernels must be one of {kernels.EXPERT_KERNELS} and isa one of {native.KERNEL_ISAS}; "
-                             f"got {mode!r}, {isa!r}")
-        for block in self.moe_blocks():
-            block.expert_kernels, block.kernel_isa = mode, isa
-        for m in self.modules():
-            if isinstance(m, (Linear, Embedding)) and m.qweight is not None:
-                m.kernel_mode, m.kernel_isa = mode, isa
-            elif isinstance(m, Linear):
-                m.float_kernel, m.kernel_isa = mode, isa
-
     def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
-        """Logits [B, T, V] (see ``_forward``); one-token CPU steps honour ``decode_torch_threads``."""
-        threads = self.decode_torch_threads
+        """Logits [B, T, V] (see ``_forward``). One-token CPU steps run torch on the policy's
+        ``decode_torch_threads`` (with the native kernels doing the heavy products on their own
+        threads, torch's small per-token ops run faster on one thread than fighting them for the
+        cores: q4_k_m decode 35 -> 43 tok/s) and keep the native pool spinning meanwhile."""
+        policy = self.exec.policy
+        threads = policy.decode_torch_threads
         if threads and input_ids.shape[-1] == 1 and input_ids.device.type == "cpu":
             saved = torch.get_num_threads()
             if saved != threads:
                 torch.set_num_threads(threads)
-                spin = native.set_spin(native.DECODE_SPIN)   # torch is on one thread: keep ours awake
+                spin = native.set_spin(policy.decode_spin)   # torch is on one thread: keep ours awake
                 try:
                     return self._forward(input_ids, state, last_logits_only)
                 finally:
@@ -152,71 +160,3 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             return self.model.embed_tokens.as_head(x)
         return self.lm_head(x)
-
-
-def mscale(scale: float, m: float = 1.0) -> float:
-    """YaRN's attention scale for a context ``scale``-times longer: 0.1 * m * ln(scale) + 1."""
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-
-def rope_parameters(config: dict) -> dict:
-    """The rope settings: ``rope_parameters`` (transformers >= 5) over the older ``rope_scaling`` and
-    top-level keys, with ``rope_type`` and ``rope_theta`` filled in."""
-    rope = dict(config.get("rope_scaling") or {})
-    rope.update(config.get("rope_parameters") or {})
-    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-    rope["rope_theta"] = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    return rope
-
-
-def yarn_inv_freq(rope: dict, config: dict, dim: int) -> tuple[torch.Tensor, float]:
-    """YaRN: (inverse frequencies [dim/2], attention factor). Frequencies blend extrapolation (fast
-    dims) and interpolation by ``factor`` (slow dims) over the correction range set by
-    ``beta_fast`` / ``beta_slow``; the factor (``mscale``, ``mscale_all_dim``) scales cos and sin."""
-    base = rope["rope_theta"]
-    original = rope.get("original_max_position_embeddings") or config.get("max_position_embeddings")
-    factor = rope.get("factor")
-    if factor is None:
-        factor = float(config["max_position_embeddings"]) / float(original)
-    factor = float(factor)
-    attention_factor = rope.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
-
-    def correction_dim(rotations):
-        return dim * math.log(float(original) / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if rope.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
-    extrapolate = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
-    return inv_freq, float(attention_factor)
-
-
-def rotary_from_config(config: dict, head_dim: int, default_partial: float = 1.0) -> Rotary:
-    """RoPE from the config: ``default``, ``linear`` (positions divided by ``factor``) or ``yarn``."""
-    rope = rope_parameters(config)
-    rope_type, theta = rope["rope_type"], rope["rope_theta"]
-    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", default_partial)))
-    rotary = Rotary(head_dim, theta, partial)
-    if rope_type == "default":
-        return rotary
-    if rope_type == "linear":
-        rotary.inv_freq = rotary.inv_freq / float(rope["factor"])
-        return rotary
-    if rope_type == "yarn":
-        rotary.inv_freq, rotary.attention_scaling = yarn_inv_freq(rope, config, rotary.rotary_dim)
-        return rotary
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: default, linear, yarn)")
-
-
-def attention_head_dim(config: dict) -> int:
-    return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..common import EXPERT_KERNELS  # noqa: F401  (the modes this module implements)
 from ..quant import QuantRows, QuantTensor
 from . import native
-
-EXPERT_KERNELS = ("fast", "exact")     # config key expert_kernels
+from .policy import STANDALONE, ExecContext, Workspace
 
 try:  # pragma: no cover - CUDA-only optional dependency
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
@@ -52,7 +52,7 @@ def depthwise_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def chunked_delta_rule(q, k, v, g, beta, state, torch_impl):
-    """Dispatch the prefill delta rule; shapes as ``layers.chunked_gated_delta_rule``."""
+    """Dispatch the prefill delta rule; shapes as ``layers.deltanet.chunked_gated_delta_rule``."""
     if _fla_chunk is not None and q.is_cuda and q.dtype != torch.float64:  # pragma: no cover
         # fla wants [B, T, H, D] and already-normalised, already-scaled q, k.
         out, final = _fla_chunk(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
@@ -108,23 +108,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
 
 # -- routed experts ----------------------------------------------------------------------------------
 
-# Dequantized weights land in reused fp32 buffers (one per role and shape): BLAS picks code paths
-# by pointer alignment, so resident and streamed experts must be dequantized to the same place to
-# give the same bits; reuse also avoids an allocation per expert and token.
-_scratch: dict = {}
-
-
-def as_float(weight, dtype: torch.dtype, role: str) -> torch.Tensor:
-    """A weight as a float matrix in ``dtype`` (float weights as they are; quantized: exact dequantization)."""
+def as_float(weight, dtype: torch.dtype, role: str, workspace: Workspace) -> torch.Tensor:
+    """A weight as a float matrix in ``dtype`` (float weights as they are; quantized: exact
+    dequantization into the ``workspace``'s buffer for ``role`` and the weight's shape)."""
     if not isinstance(weight, QuantTensor):
         return weight if weight.dtype == dtype else weight.to(dtype)   # (the runtime keeps them equal)
     if weight.device.type != "cpu" or not native.available():
         return weight.dequantize(dtype)
-    key = (role, tuple(weight.shape))
-    buf = _scratch.get(key)
-    if buf is None:
-        buf = _scratch[key] = torch.empty(weight.shape, dtype=torch.float32)
-    native.dequantize_into(weight, buf)
+    buf = native.dequantize_into(weight, workspace.buffer(role, tuple(weight.shape)))
     return buf if dtype == torch.float32 else buf.to(dtype)
 
 
@@ -132,52 +123,57 @@ def _fast_ok(x: torch.Tensor, experts) -> bool:
     return x.device.type == "cpu" and native.supports(experts[0].gate_up) and native.supports(experts[0].down)
 
 
-def experts_decode(x: torch.Tensor, experts, weights, mode: str = "exact", isa: str = "auto") -> torch.Tensor:
+def experts_decode(x: torch.Tensor, experts, weights, ctx: ExecContext = STANDALONE) -> torch.Tensor:
     """One token x [1, H] through its experts: ``sum_e weights[e] * down_e(silu(gate_e x) * up_e x)``.
 
-    The experts of one call come from one layer (same shapes and encodings). ``fast`` runs one native
-    call for all of them; ``exact`` (and anything the native kernels cannot read) runs torch.
+    The experts of one call come from one layer (same shapes and encodings). In ``fast`` mode
+    (``ctx.policy``) one native call runs all of them; ``exact`` (and anything the native kernels
+    cannot read) runs torch.
     """
-    if mode == "fast" and _fast_ok(x, experts):
-        return native.moe_decode(x, experts, weights, isa=isa).to(x.dtype)
+    policy, workspace = ctx.policy, ctx.workspace
+    if policy.kernel_mode == "fast" and _fast_ok(x, experts):
+        return native.moe_decode(x, experts, weights, isa=policy.isa, threads=policy.native_threads).to(x.dtype)
     # kernels.linear's row split, decided once per call: the experts of a layer share shapes
     # (inline, since per-call overhead is ~10% of a small expert's GEMV).
     inter = experts[0].down.shape[1]
     up_parts = down_parts = x_in = None
     out = torch.zeros_like(x)
     for w, weight in zip(experts, weights):
-        gate_up = as_float(w.gate_up, x.dtype, "gate_up")
+        gate_up = as_float(w.gate_up, x.dtype, "gate_up", workspace)
         if up_parts is None:
             up_parts = split_parts(gate_up)
             x_in = split_input(x, up_parts)
         h = split_gemv(x_in, gate_up, up_parts)
         act = F.silu(h[:, :inter]).mul_(h[:, inter:])
-        down = as_float(w.down, x.dtype, "down")
+        down = as_float(w.down, x.dtype, "down", workspace)
         if down_parts is None:
             down_parts = split_parts(down)
         out.add_(split_gemv(split_input(act, down_parts), down, down_parts), alpha=weight)
     return out
 
 
-def expert_mlp(x: torch.Tensor, expert) -> torch.Tensor:
+def expert_mlp(x: torch.Tensor, expert, ctx: ExecContext = STANDALONE) -> torch.Tensor:
     """Many tokens x [n, H] through one expert: ``down(silu(gate x) * up x)`` -> [n, H]."""
-    h = F.linear(x, as_float(expert.gate_up, x.dtype, "gate_up"))
+    h = F.linear(x, as_float(expert.gate_up, x.dtype, "gate_up", ctx.workspace))
     inter = h.shape[-1] // 2
     act = F.silu(h[:, :inter]).mul_(h[:, inter:])
-    return F.linear(act, as_float(expert.down, x.dtype, "down"))
+    return F.linear(act, as_float(expert.down, x.dtype, "down", ctx.workspace))
 
 
-def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, mode: str = "exact", isa: str = "auto",
+def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, ctx: ExecContext = STANDALONE,
                  role: str = "linear") -> torch.Tensor:
     """``F.linear`` with a block-quantized (or float record) weight: one row on CPU in ``fast`` mode
     runs the native dot product on the rows as stored; otherwise the weight is dequantized exactly
-    (into the ``role``'s scratch buffer) and multiplied."""
+    (into the workspace's buffer for ``role``) and multiplied."""
     if isinstance(weight, QuantRows):      # row groups in different encodings: one product each
-        out = torch.cat([quant_linear(x, p, None, mode, isa, role) for p in weight.parts], dim=-1)
+        out = torch.cat([quant_linear(x, p, None, ctx, role) for p in weight.parts], dim=-1)
         out = out.index_select(-1, weight.order)
         return out if bias is None else out + bias
-    if mode == "fast" and x.numel() == weight.shape[1] and x.device.type == "cpu" and native.supports(weight):
-        out = native.gemv(weight, x, isa=isa).view(x.shape[:-1] + (weight.shape[0],)).to(x.dtype)
+    policy = ctx.policy
+    if policy.kernel_mode == "fast" and x.numel() == weight.shape[1] and x.device.type == "cpu" \
+            and native.supports(weight):
+        out = native.gemv(weight, x, isa=policy.isa, threads=policy.native_threads)
+        out = out.view(x.shape[:-1] + (weight.shape[0],)).to(x.dtype)
     else:
-        out = F.linear(x, as_float(weight, x.dtype, role))
+        out = F.linear(x, as_float(weight, x.dtype, role, ctx.workspace))
     return out if bias is None else out + bias

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ..common import KERNEL_ISAS  # noqa: F401  (the paths a call may force)
 from ..quant import ENCODINGS, QuantTensor
 
 try:
@@ -18,7 +19,6 @@ except ImportError:  # pragma: no cover - the extension is part of every build
     _K = None
 
 ISAS: list = _K.supported_isas() if _K is not None else []
-KERNEL_ISAS = ("auto", "scalar", "avx2", "avx512")
 _FLOAT_IDS = {ENCODINGS[n].torch_dtype: ENCODINGS[n].native_id for n in ("f32", "f16", "bf16")}
 
 
@@ -55,27 +55,14 @@ def supports(weight) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and (isinstance(weight, QuantTensor) or t.dtype in _FLOAT_IDS)
 
 
-# Idle-worker spin (pause instructions) during a CPU decode step, where torch runs on one thread
-# and the kernels are called ~100 times per step (csrc/moe.cpp); outside it the C++ default.
-DECODE_SPIN = 100000
-
-
 def set_spin(iterations: int) -> int:
     """Set how long idle kernel threads spin before sleeping; returns the previous setting."""
     return _K.set_spin(int(iterations)) if _K is not None else 0
 
 
-_threads_default = 0     # set_threads(); 0: torch's intra-op thread count at the call
-
-
-def set_threads(n: int) -> None:
-    """Threads the native kernels use when a call does not say (0: torch's intra-op count)."""
-    global _threads_default
-    _threads_default = max(0, int(n))
-
-
 def _threads(threads) -> int:
-    return threads or _threads_default or torch.get_num_threads()
+    """A call's thread count (its model's ``ExecPolicy.native_threads``); 0: torch's intra-op count."""
+    return threads or torch.get_num_threads()
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:

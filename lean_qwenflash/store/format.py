@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from ..quant import ENCODINGS, get_encoding
 from ..quant.floats import BY_DTYPE_NAME
@@ -40,6 +41,13 @@ TOKENIZER_FILES = (
 )
 
 REPACK_HINT = "re-pack the checkpoint with `lean-qwenflash pack HF_DIR OUT_DIR`"
+
+
+class ExpertWeights(NamedTuple):
+    """One record's projections as views: each a float tensor or a ``QuantTensor`` of block rows."""
+
+    gate_up: Any      # [2I, H]: gate rows then up rows
+    down: Any         # [H, I]
 
 
 class StoreError(ValueError):

@@ -1,12 +1,13 @@
 """Write a Hugging Face checkpoint as a GGUF file llama.cpp can run (benchmarks and test oracles).
 
-Names and config keys come from :mod:`.gguf_names`. Experts are stacked per layer into GGUF's
-3-D tensors; matrices are written in ``encoding`` (bf16, f16 or f32), norms and routers in f32 (as
-llama.cpp's own converter does). The vocabulary is a stand-in (byte tokens plus numbered pieces,
-SentencePiece-style) sized to the checkpoint's ``vocab_size``, unless the directory has a byte-level BPE
-``tokenizer.json`` (then that vocabulary, its merges and chat template go in, see
-:mod:`.gguf_tokenizer`). Tensors the table marks as transformed (llama's q/k row order, Qwen3-Next's
-``A_log``...) are written the way llama.cpp's converter writes them.
+Names and config keys come from the family's GGUF declaration (``Family.gguf``, looked up through
+:mod:`.gguf_names`). Experts are stacked per layer into GGUF's 3-D tensors; matrices are written
+in ``encoding`` (bf16, f16 or f32), norms and routers in f32 (as llama.cpp's own converter does).
+The vocabulary is a stand-in (byte tokens plus numbered pieces, SentencePiece-style) sized to the
+checkpoint's ``vocab_size``, unless the directory has a byte-level BPE ``tokenizer.json`` (then that
+vocabulary, its merges and chat template go in, see :mod:`.gguf_tokenizer`). Tensors the
+declaration marks as transformed (llama's q/k row order, Qwen3-Next's ``A_log``...) are written the
+way llama.cpp's converter writes them.
 The file is streamed tensor by tensor, so a checkpoint larger than RAM exports fine.
 """
 from __future__ import annotations

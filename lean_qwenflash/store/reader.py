@@ -37,8 +37,7 @@ def tensor_view(t: fmt.TensorSlot, raw: torch.Tensor):
 def record_views(rec: fmt.LayerRecords, raw: torch.Tensor):
     """Zero-copy views (gate_up, down) of one record held in ``raw``, a uint8 tensor that starts
     at the record (a buffer, a cache slot, a device row)."""
-    from ..experts.provider import ExpertWeights
-    return ExpertWeights(*(tensor_view(t, raw) for t in rec.tensors))
+    return fmt.ExpertWeights(*(tensor_view(t, raw) for t in rec.tensors))
 
 
 class ExpertStore:
@@ -223,13 +222,3 @@ class ExpertStore:
             else:
                 out[k] = v.to(dtype) if dtype is not None else v
         return out
-
-    def load_all_experts(self):
-        """Every routed expert in memory, as a ResidentExperts (the lossless reference)."""
-        from ..experts.provider import ResidentExperts
-        layers = {}
-        for rec in self.manifest.layers:
-            buf = self.read_layer(rec.layer_idx)
-            layers[rec.layer_idx] = [self.expert_views(rec.layer_idx, buf, e * rec.record_bytes)
-                                     for e in range(rec.num_experts)]
-        return ResidentExperts(layers)

@@ -1,0 +1,153 @@
+"""The vocabulary a family's GGUF declaration is written in (the role of llama.cpp's llama-arch.cpp).
+
+A family that llama.cpp can run declares, in its own file, a ``GGUFArch``: its GGUF architecture
+name (``general.architecture``), its tensor names, the transforms llama.cpp's converter applies and
+its metadata/config key mapping. This module holds the types and the names shared by every
+architecture; it imports only torch and the standard library, so family files can use it without
+importing :mod:`lean_qwenflash.store` (which imports the families: :mod:`lean_qwenflash.store.gguf_names`
+asks the registry for these declarations and re-exports this vocabulary).
+
+GGUF (llama.cpp's format) names tensors ``blk.{L}.attn_q.weight`` where Hugging Face has
+``model.layers.{L}.self_attn.q_proj.weight``, stacks routed experts into 3-D tensors
+(``blk.{L}.ffn_{gate,up,down}_exps.weight``, [E, rows, cols] in row-major terms), and keeps config
+values under ``{arch}.`` keys. GGUF shapes are listed innermost-first (``ne``): a row-major HF
+matrix [rows, cols] is GGUF [cols, rows], with the same bytes.
+
+Some tensors are stored differently, not just renamed (llama.cpp's converter changes them):
+
+* row permutations (``Permute``): llama's q/k rows are interleaved per head for its rotary
+  convention. Block-quantized rows are independent, so a permutation moves whole encoded rows and
+  stays byte-exact;
+* value transforms (``Values``): e.g. Qwen3-Next's ``A_log`` is stored as ``-exp(A_log)``. They
+  need float data (these are small vectors, always f32 in GGUF files);
+* joined matrices (``Joined``): one HF matrix stored as several GGUF tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Permute:
+    """GGUF rows = HF rows[perm(config)] (a row permutation; exact on encoded rows too)."""
+
+    perm: Callable[[dict], torch.Tensor]
+
+    def to_gguf(self, rows, config: dict):
+        return rows[self.perm(config)]
+
+    def to_hf(self, rows, config: dict):
+        return rows[torch.argsort(self.perm(config))]
+
+
+@dataclass(frozen=True)
+class Values:
+    """A float transform and its inverse (shape changes included)."""
+
+    to_gguf: Callable[[torch.Tensor, dict], torch.Tensor]
+    to_hf: Callable[[torch.Tensor, dict], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Joined:
+    """One HF matrix stored as several GGUF tensors (``parts``, GGUF suffixes under blk.{L}.):
+    their rows concatenated in ``parts`` order are HF rows[perm(config)] (as Permute); ``rows``
+    gives each part's row count, for writing."""
+
+    parts: tuple
+    perm: Callable[[dict], torch.Tensor]
+    rows: Callable[[dict], tuple]
+
+    def to_gguf(self, rows, config: dict):
+        return rows[self.perm(config)]
+
+    def to_hf(self, rows, config: dict):
+        return rows[torch.argsort(self.perm(config))]
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """A family's GGUF declaration (``Family.gguf``); the family's name and HF architecture come
+    from its ``Family`` (the registry pairs them)."""
+
+    gguf_arch: str                # general.architecture
+    # HF name under model.layers.{L}. -> GGUF name under blk.{L}. (resident tensors); a tuple of
+    # GGUF names for a Joined matrix
+    layer_tensors: dict
+    # our expert projection -> GGUF stacked tensor under blk.{L}.
+    expert_tensors: dict = field(default_factory=lambda: {
+        "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"})
+    # HF config key -> GGUF key (without the "{arch}." prefix)
+    config_keys: dict = field(default_factory=lambda: dict(COMMON_KEYS))
+    # HF suffix under model.layers.{L}. (or a global HF name) -> Permute, Values or Joined
+    transforms: dict = field(default_factory=dict)
+    # config keys llama.cpp does not store, with the value its graph implies for this arch
+    implied_config: dict = field(default_factory=dict)
+    # HF config keys of the expert count / expert width for this family
+    num_experts_key: str = "num_experts"
+    expert_width_key: str = "moe_intermediate_size"
+    # extra config read from / written to GGUF metadata: (meta, tensors) -> dict, config -> dict
+    extra_config: Optional[Callable] = None
+    extra_metadata: Optional[Callable] = None
+
+
+# The common per-layer names: HF suffix under model.layers.{L}. -> GGUF suffix under blk.{L}.
+ATTENTION = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",             # the router
+    "mlp.gate_proj.weight": "ffn_gate.weight",            # dense layers
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+# The common config keys: HF key -> GGUF key (without the "{arch}." prefix).
+COMMON_KEYS = {
+    "num_hidden_layers": "block_count",
+    "max_position_embeddings": "context_length",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "head_dim": "attention.key_length",
+}
+
+
+def head_dim(config: dict) -> int:
+    """The attention head size of an HF config: ``head_dim``, else hidden_size / num_attention_heads
+    (the rule of ``models.layers.rope.attention_head_dim``)."""
+    return int(config.get("head_dim") or int(config["hidden_size"]) // int(config["num_attention_heads"]))
+
+
+def rope_interleave(num_heads_key: str) -> Permute:
+    """llama.cpp's llama rotary pairs neighbouring rows (2i, 2i+1) of each head where HF pairs
+    (i, i + D/2): GGUF row h*D + 2i + s is HF row h*D + s*D/2 + i."""
+    def perm(config: dict) -> torch.Tensor:
+        heads = int(config[num_heads_key])
+        dim = head_dim(config)
+        half = dim // 2
+        i = torch.arange(half).repeat_interleave(2)          # 0 0 1 1 ...
+        s = torch.arange(2).repeat(half)                     # 0 1 0 1 ...
+        one = s * half + i
+        return (torch.arange(heads)[:, None] * dim + one[None, :]).reshape(-1)
+    return Permute(perm)
+
+
+def plus_one() -> Values:
+    """Zero-centred norms (Qwen3-Next): GGUF holds 1 + w (llama.cpp multiplies by the weight)."""
+    return Values(lambda w, c: w + 1.0, lambda w, c: w - 1.0)
+
+
+__all__ = ["ATTENTION", "COMMON_KEYS", "GGUFArch", "Joined", "Permute", "Values", "head_dim", "plus_one",
+           "rope_interleave"]

@@ -1,0 +1,150 @@
+"""Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5): the gated delta rule, one token at a time
+(decode) and chunked (prefill), and the layer around it (projections, causal conv, output norm)."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lean_qwenflash.models import kernels
+from lean_qwenflash.models.layers.linear import Linear
+from lean_qwenflash.models.layers.norm import GatedRMSNorm
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+    """One token: q, k [B, Hv, Dk], v [B, Hv, Dv], g, beta [B, Hv]; ``state`` [B, Hv, Dk, Dv] updated in place.
+
+    S <- exp(g) S;  delta = beta (v - k^T S);  S <- S + k delta^T;  o = q^T S.
+    """
+    state.mul_(g.exp()[..., None, None])
+    k_row = k.unsqueeze(-2)                                     # [B, Hv, 1, Dk]
+    delta = (v.unsqueeze(-2) - k_row @ state) * beta[..., None, None]
+    state.add_(k.unsqueeze(-1) @ delta)
+    return (q.unsqueeze(-2) @ state).squeeze(-2)                # [B, Hv, Dv]
+
+
+def chunked_gated_delta_rule(q, k, v, g, beta, state: torch.Tensor, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Many tokens: q, k [B, Hv, T, Dk], v [B, Hv, T, Dv], g, beta [B, Hv, T]; state [B, Hv, Dk, Dv].
+
+    Within a chunk the delta updates are solved at once (WY form): with Γ_t = exp(cumsum g),
+    (I + strict_lower(β_i k_i·k_j Γ_i/Γ_j)) Δ = βv - βkΓ S_0, then o = qΓ S_0 + (qk^T ∘ Γ_i/Γ_j) Δ and
+    S = Γ_C S_0 + (k Γ_C/Γ)^T Δ. Returns (o [B, Hv, T, Dv], final state).
+    """
+    num_tokens = q.shape[2]
+    out = q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
+        log_decay = g[:, :, start:end].cumsum(-1)                  # [B, Hv, n]
+        n = end - start
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        pair_decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -math.inf).exp()
+        k_beta = kc * bc[..., None]
+        system = (k_beta @ kc.transpose(-1, -2)) * pair_decay      # only its strict lower part is read
+        rhs = torch.cat((vc * bc[..., None], k_beta * log_decay.exp()[..., None]), dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        new_values, decayed_keys = solved[..., :vc.shape[-1]], solved[..., vc.shape[-1]:]
+        delta = new_values - decayed_keys @ state
+        attn = (qc @ kc.transpose(-1, -2)) * pair_decay
+        out[:, :, start:end] = (qc * log_decay.exp()[..., None]) @ state + attn @ delta
+        last = log_decay[..., -1:]
+        state = state * last.exp()[..., None] + (kc * (last - log_decay).exp()[..., None]).transpose(-1, -2) @ delta
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet linear attention (Qwen3-Next): causal depthwise conv, then the gated delta rule.
+
+    Qwen3-Next layout: ``in_proj_qkvz`` rows grouped per key head as [q, k, v (Hv/Hk heads), z
+    (Hv/Hk heads)], ``in_proj_ba`` per key head as [b, a]. ``split_projections`` (Qwen3.5): four
+    flat projections ``in_proj_qkv`` [q all, k all, v all], ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``. The conv runs on channels [q all, k all, v all] either way.
+    State: ``conv`` [B, C, K-1] (last conv inputs) and ``recurrent`` [B, Hv, Dk, Dv] (fp32).
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel_size: int, norm_eps: float, split_projections: bool = False):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.split_projections = split_projections
+        if split_projections:
+            self.in_proj_qkv = Linear(hidden_size, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(hidden_size, self.value_dim, bias=False)
+            self.in_proj_b = Linear(hidden_size, num_v_heads, bias=False)
+            self.in_proj_a = Linear(hidden_size, num_v_heads, bias=False)
+        else:
+            self.in_proj_qkvz = Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim,
+                                bias=False, padding=conv_kernel_size - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(head_v_dim, norm_eps)
+        self.out_proj = Linear(self.value_dim, hidden_size, bias=False)
+
+    def _conv(self, mixed: torch.Tensor, state) -> torch.Tensor:
+        """mixed [B, T, C] -> silu(causal depthwise conv) [B, T, C]; keeps the last K-1 inputs."""
+        batch, num_tokens, channels = mixed.shape
+        past = state.conv if state is not None and state.conv is not None else \
+            mixed.new_zeros(batch, channels, self.conv_kernel_size - 1)
+        window = torch.cat((past, mixed.transpose(1, 2)), dim=-1)   # [B, C, K-1+T]
+        if state is not None:
+            state.conv = window[..., num_tokens:].clone() if num_tokens > 1 else window[..., 1:]
+        out = kernels.depthwise_conv(window, self.conv1d.weight)
+        return F.silu(out).transpose(1, 2)
+
+    def _project(self, x: torch.Tensor):
+        """x -> (conv input [B, T, C] as [q all, k all, v all], z [B, T, Hv*Dv], b, a [B, T, Hv])."""
+        batch, num_tokens, _ = x.shape
+        if self.split_projections:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        ratio = self.num_v_heads // self.num_k_heads
+        dk, dv, nk, nv = self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads
+        qkvz = self.in_proj_qkvz(x).view(batch, num_tokens, nk, 2 * dk + 2 * ratio * dv)
+        q, k, v, z = qkvz.split((dk, dk, ratio * dv, ratio * dv), dim=-1)
+        ba = self.in_proj_ba(x).view(batch, num_tokens, nk, 2 * ratio)
+        b, a = ba[..., :ratio].reshape(batch, num_tokens, nv), ba[..., ratio:].reshape(batch, num_tokens, nv)
+        mixed = torch.cat((q.reshape(batch, num_tokens, -1), k.reshape(batch, num_tokens, -1),
+                           v.reshape(batch, num_tokens, -1)), dim=-1)
+        return mixed, z, b, a
+
+    def forward(self, x: torch.Tensor, rope=None, state=None) -> torch.Tensor:
+        batch, num_tokens, _ = x.shape
+        ratio = self.num_v_heads // self.num_k_heads
+        dk, dv, nk, nv = self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads
+        mixed, z, b, a = self._project(x)
+        mixed = self._conv(mixed, state)
+        compute_dtype = torch.promote_types(x.dtype, torch.float32)   # fp32 at least, fp64 in tests
+        q, k, v = mixed.to(compute_dtype).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = _l2norm(q.reshape(batch, num_tokens, nk, dk)) * dk ** -0.5
+        k = _l2norm(k.reshape(batch, num_tokens, nk, dk))
+        v = v.reshape(batch, num_tokens, nv, dv)
+        if ratio > 1:
+            q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)
+        beta = b.to(compute_dtype).sigmoid()
+        g = -self.A_log.to(compute_dtype).exp() * F.softplus(a.to(compute_dtype) + self.dt_bias.to(compute_dtype))
+        recurrent = state.recurrent if state is not None else None
+        if recurrent is None:
+            recurrent = torch.zeros(batch, nv, dk, dv, dtype=compute_dtype, device=x.device)
+        if num_tokens == 1 and state is not None:
+            core = recurrent_gated_delta_rule(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+            core = core.unsqueeze(1)                                # [B, 1, Hv, Dv]
+        else:
+            core, recurrent = kernels.chunked_delta_rule(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2),
+                beta.transpose(1, 2), recurrent, chunked_gated_delta_rule)
+            core = core.transpose(1, 2)
+        if state is not None:
+            state.recurrent = recurrent
+        core = self.norm(core.to(x.dtype), z.reshape(batch, num_tokens, nv, dv))
+        return self.out_proj(core.reshape(batch, num_tokens, -1))

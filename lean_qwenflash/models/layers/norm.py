@@ -1,0 +1,42 @@
+"""RMS norms: ``RMSNorm`` (optionally zero-centred, Qwen3-Next) and Gated DeltaNet's ``GatedRMSNorm``."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (bf16/fp16 math happens in fp32; fp64 stays fp64 for reference runs)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+class RMSNorm(nn.Module):
+    """``w * x / rms(x)``; ``zero_centred`` (Qwen3-Next) stores ``w - 1``, i.e. computes ``(1 + w)``."""
+
+    def __init__(self, dim: int, eps: float, zero_centred: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+        self.eps = eps
+        self.zero_centred = zero_centred
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = F.rms_norm(_upcast(x), (x.shape[-1],), None, self.eps)
+        if self.zero_centred:
+            # Multiply in fp32 before the downcast, as the architecture defines it.
+            return (xf * (1.0 + _upcast(self.weight))).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * rmsnorm(x) * silu(gate)``: the output norm of Gated DeltaNet (plain, not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = F.rms_norm(_upcast(x), (x.shape[-1],), None, self.eps)
+        out = (self.weight * xf.to(x.dtype)) * F.silu(_upcast(gate))
+        return out.to(x.dtype)

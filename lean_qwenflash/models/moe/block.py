@@ -1,0 +1,159 @@
+"""The sparse MoE block: a router picks each token's experts, a provider serves their weights
+(resident or streamed), ``routed_experts`` sums their outputs; plus an optional shared expert.
+``ExpertBiasMoeBlock`` is AfMoE's block, whose selection bias lives on the block."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lean_qwenflash.models import kernels
+from lean_qwenflash.models.layers.linear import Linear
+from lean_qwenflash.models.layers.mlp import MLP
+from lean_qwenflash.models.moe.routers import Router
+from lean_qwenflash.models.policy import STANDALONE, ExecContext
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, provider, layer_idx: int,
+                   ctx: ExecContext = STANDALONE, expert_fn=None) -> torch.Tensor:
+    """Sum over each token's selected experts of ``weight * down(silu(gate) * up)``.
+
+    x [N, H], weights and indices [N, k]. The provider is asked once for the unique selected ids
+    (sorted); the result depends only on the weights it returns, so any provider serving the same
+    bytes gives the same bits. Decode is one ``kernels.experts_decode`` call (exact or fast as
+    ``ctx.policy`` says); prefill groups tokens by expert: one gather + ``kernels.expert_mlp`` each.
+    """
+    num_tokens, top_k = indices.shape
+    if num_tokens == 1:
+        # One device-to-host transfer (a sync on CUDA) for ids and weights; float64 holds both exactly.
+        ids_and_weights = torch.stack((indices[0].to(torch.float64), weights[0].to(torch.float64))).tolist()
+        pairs = sorted((int(e), w) for e, w in zip(*ids_and_weights))
+        expert_ids = [e for e, _ in pairs]
+        experts = provider.acquire(layer_idx, expert_ids)
+        try:
+            if expert_fn is None:
+                out = kernels.experts_decode(x, experts, [w for _, w in pairs], ctx)
+            else:
+                out = torch.zeros_like(x)
+                for e, w, (_, weight) in zip(expert_ids, experts, pairs):
+                    out.add_(expert_fn(x, w, e, ctx), alpha=weight)
+        finally:
+            provider.release(layer_idx, expert_ids)
+        return out
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat)
+    all_counts = counts.tolist()                      # one device-to-host transfer
+    expert_ids = [e for e, n in enumerate(all_counts) if n]
+    counts = [all_counts[e] for e in expert_ids]
+    token_of = order // top_k
+    weight_of = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    pos = 0
+    # A streaming provider may hold fewer experts at once than a long prefill selects; the
+    # experts are then taken in groups, in the same order, so the sum is unchanged.
+    group = getattr(provider, "max_experts_per_acquire", None) or len(expert_ids)
+    for start in range(0, len(expert_ids), group):
+        ids = expert_ids[start:start + group]
+        experts = provider.acquire(layer_idx, ids)
+        try:
+            for e, w, count in zip(ids, experts, counts[start:start + group]):
+                rows = token_of[pos:pos + count]
+                xs = x.index_select(0, rows)
+                y = (kernels.expert_mlp(xs, w, ctx) if expert_fn is None else expert_fn(xs, w, e, ctx))
+                y = y.mul_(weight_of[pos:pos + count, None])
+                out.index_add_(0, rows, y)
+                pos += count
+        finally:
+            provider.release(layer_idx, ids)
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """Routed experts served by a provider, chosen by ``router`` (HF attribute ``router_name``; a
+    dotted name nests it in a container, AfMoE's ``router.gate``), plus an optional shared expert:
+    sigmoid-gated (Qwen3-Next: ``shared_expert`` + ``shared_expert_gate``) or plain
+    (``shared_experts``, DeepSeek / GLM style, when ``shared_gated`` is False).
+
+    ``experts``: a family's own expert math (a module called as ``experts(x, expert, expert_id,
+    mode, isa)``, e.g. GPT-OSS's ``ClampedSwiGLUExperts``), registered as ``experts`` so that its
+    resident tensors (expert biases) have the checkpoint's keys; None: SwiGLU (``kernels``).
+    """
+
+    ctx = STANDALONE     # how the routed experts compute: the model's ExecContext (CausalLM binds it)
+
+    def __init__(self, router: Router, layer_idx: int, hidden_size: int, shared_intermediate_size: int = 0,
+                 router_name: str = "gate", shared_gated: bool = True, experts: Optional[nn.Module] = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        if "." in router_name:          # nested in a container (AfMoE: mlp.router.gate)
+            outer, inner = router_name.split(".")
+            container = nn.Module()
+            setattr(container, inner, router)
+            setattr(self, outer, container)
+        else:
+            setattr(self, router_name, router)
+        # Plain references for the hot path, in tuples (not registered again: no duplicate keys).
+        self._router = (router,)
+        self._shared = None             # (shared MLP, its sigmoid gate or None)
+        if shared_intermediate_size and shared_gated:
+            self.shared_expert = MLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+            self._shared = (self.shared_expert, self.shared_expert_gate)
+        elif shared_intermediate_size:
+            self.shared_experts = MLP(hidden_size, shared_intermediate_size)
+            self._shared = (self.shared_experts, None)
+        self.provider = None    # set by the model; not a submodule, owns no weights
+        self.expert_fn = None   # the family's expert math (``experts.forward``); None: SwiGLU
+        if experts is not None:
+            self.experts = experts
+            self.expert_fn = experts.forward
+
+    @property
+    def router(self) -> Router:
+        """The router, whatever its HF name."""
+        return self._router[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.router.top_k
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k], expert ids [N, k]) of the tokens x [N, H]."""
+        return self.router.route(x)
+
+    def predict(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` experts the routing rule ranks first for x [N, H] (a prefetcher's guess)."""
+        return self.router.predict(x, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        self.provider.layer_input(self.layer_idx, flat)
+        weights, indices = self.route(flat)
+        out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx,
+                             self.ctx, self.expert_fn)
+        if self._shared is not None:
+            expert, gate = self._shared
+            shared = expert(flat)
+            if gate is not None:
+                shared = torch.sigmoid(gate(flat)) * shared
+            out = out + shared
+        return out.view(shape)
+
+
+class ExpertBiasMoeBlock(SparseMoeBlock):
+    """AfMoE: a selection-only router bias on the block (HF ``mlp.expert_bias`` [E], fp32), handed to
+    the router's rule (``SigmoidBiasRouter``) with every input."""
+
+    def __init__(self, router: Router, layer_idx: int, hidden_size: int, shared_intermediate_size: int = 0,
+                 **options):
+        super().__init__(router, layer_idx, hidden_size, shared_intermediate_size, **options)
+        self.expert_bias = nn.Parameter(torch.zeros(router.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.router.route(x, self.expert_bias)
+
+    def predict(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return self.router.predict(x, n, self.expert_bias)

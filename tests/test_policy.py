@@ -1,0 +1,80 @@
+"""The execution policy is per model: two models with different policies in one process each
+compute what they compute alone, with their own workspaces, and a policy comes from the config."""
+import pytest
+import torch
+
+from lean_qwenflash.config import load_config
+from lean_qwenflash.generate.state import new_state
+from lean_qwenflash.models.policy import DECODE_SPIN, ExecPolicy
+from lean_qwenflash.runtime import Runtime
+from lean_qwenflash.store import pack
+
+hf_models = pytest.importorskip("hf_models")
+
+
+@pytest.fixture(scope="module")
+def q4_pack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policy")
+    model, _ = hf_models.make_hf_model("qwen3_moe", "quant")
+    ckpt = hf_models.save_checkpoint(model, str(root / "ckpt"))
+    pack(ckpt, root / "pack", quant="q4_k_m", progress=False)
+    return root / "pack"
+
+
+def _steps(model, prompt):
+    """Prefill logits of the prompt's first half, then one-token steps over the second half."""
+    state = new_state(model)
+    half = prompt.shape[1] // 2
+    out = [model(prompt[:, :half], state)]
+    out += [model(prompt[:, i:i + 1], state) for i in range(half, prompt.shape[1])]
+    return torch.cat(out, dim=1)
+
+
+def test_two_models_with_different_policies_in_one_process(q4_pack):
+    prompt = hf_models.prompt_ids(96, 24)
+    with Runtime.open(load_config(model=str(q4_pack), expert_kernels="fast"), resident_experts=True) as rt:
+        fast_alone = _steps(rt.model, prompt)
+    with Runtime.open(load_config(model=str(q4_pack), expert_kernels="exact"), resident_experts=True) as rt:
+        exact_alone = _steps(rt.model, prompt)
+    assert not torch.equal(fast_alone, exact_alone)      # the modes really differ on q4_k_m records
+
+    with Runtime.open(load_config(model=str(q4_pack), expert_kernels="fast"), resident_experts=True) as a, \
+            Runtime.open(load_config(model=str(q4_pack), expert_kernels="exact"), resident_experts=True) as b:
+        assert a.model.policy.kernel_mode == "fast" and b.model.policy.kernel_mode == "exact"
+        assert a.model.exec.workspace is not b.model.exec.workspace
+        # every computing module of a model holds its model's context, none the other's
+        for rt in (a, b):
+            bound = {id(m.ctx) for m in rt.model.modules() if hasattr(type(m), "ctx")}
+            assert bound == {id(rt.model.exec)}
+        # interleaved step by step, each computes exactly what it computes alone
+        sa, sb = new_state(a.model), new_state(b.model)
+        half = prompt.shape[1] // 2
+        got_a, got_b = [a.model(prompt[:, :half], sa)], [b.model(prompt[:, :half], sb)]
+        for i in range(half, prompt.shape[1]):
+            got_a.append(a.model(prompt[:, i:i + 1], sa))
+            got_b.append(b.model(prompt[:, i:i + 1], sb))
+        assert torch.equal(torch.cat(got_a, dim=1), fast_alone)
+        assert torch.equal(torch.cat(got_b, dim=1), exact_alone)
+        assert b.model.exec.workspace.nbytes() > 0          # exact mode dequantized into b's buffers
+        # changing one model's policy leaves the other alone
+        b.model.set_policy(b.model.policy.with_kernels("fast"))
+        assert a.model.policy.kernel_mode == "fast" and b.model.policy.kernel_mode == "fast"
+        a.model.set_policy(a.model.policy.with_kernels("exact"))
+        assert b.model.policy.kernel_mode == "fast"
+        assert torch.equal(_steps(a.model, prompt), exact_alone)
+        assert torch.equal(_steps(b.model, prompt), fast_alone)
+
+
+def test_policy_from_config():
+    fast = ExecPolicy.from_config(load_config(cpu_threads=3))
+    assert (fast.kernel_mode, fast.float_native, fast.native_threads, fast.decode_torch_threads) == ("fast", True, 3, 1)
+    assert fast.decode_spin == DECODE_SPIN
+    exact = ExecPolicy.from_config(load_config(expert_kernels="exact", cpu_isa="scalar"))
+    assert (exact.kernel_mode, exact.float_native, exact.isa, exact.decode_torch_threads) == ("exact", False, "scalar", None)
+    with pytest.raises(ValueError, match="expert kernels must be one of"):
+        ExecPolicy(kernel_mode="turbo")
+    with pytest.raises(ValueError, match="decode_torch_threads"):
+        ExecPolicy(decode_torch_threads=0)
+    with pytest.raises(TypeError, match="expected an ExecPolicy"):
+        from lean_qwenflash.models.base import CausalLM
+        CausalLM.set_policy(object.__new__(CausalLM), "fast")
