@@ -23,7 +23,7 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def run_json_worker(cmd: list, limit_bytes: int | None = None, name: str = "lqf-bench") -> dict:
+def run_json_worker(cmd: list, limit_bytes: int | None = None, name: str = "lqf-bench", env: dict | None = None) -> dict:
     """Run ``cmd`` (a worker printing one JSON line last) and return that JSON; inside a cgroup
     limited to ``limit_bytes`` (page cache counted) when given, with its peak usage and how
     often the limit forced reclaim. A failed worker gives {"error", "returncode"}."""
@@ -35,7 +35,7 @@ def run_json_worker(cmd: list, limit_bytes: int | None = None, name: str = "lqf-
         # The shell joins the group, then becomes the worker: everything it allocates is counted.
         cmd = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh"] + list(cmd)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if p.returncode != 0:
             return {"error": (p.stderr or "")[-1500:] or
                     f"exit status {p.returncode} (killed by the cgroup's OOM killer?)", "returncode": p.returncode}

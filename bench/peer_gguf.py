@@ -1,36 +1,37 @@
 #!/usr/bin/env python3
-"""The same GGUF file, llama.cpp vs us: warm in RAM, and under a cgroup memory cap of half the file.
+"""The same GGUF file, llama.cpp vs us, timing what users wait for: the prompt and the first pass.
 
 Builds once under --work: a seeded random Qwen3-MoE-shaped checkpoint (bench/peer.py's builder;
-default 16 layers x 309 experts x 3 MiB bf16, top-8, hidden 1024), exported to a bf16 GGUF and
-quantized by llama.cpp to Q4_K_M (about 4.3 GiB, ~4.2 GiB of it routed experts); the bf16 files
-are deleted once the Q4_K_M file exists. We pack that GGUF file (experts copied byte for byte).
+--experts-gib of bf16 routed experts, 3 MiB each, over --layers layers, top-8, hidden 1024),
+exported to a bf16 GGUF and quantized by llama.cpp to Q4_K_M; the bf16 files are deleted once the
+Q4_K_M file exists. We pack that GGUF file (experts copied byte for byte).
 
-Routing. With a plain random init, routing collapses with depth (the residual stream of deep
-layers is dominated by token-independent directions; an earlier run of this script measured:
-the busiest expert of layer 13 is picked for every token, 49-67 distinct experts in layers 12-15
-over 48 steps; projecting the router input's principal directions out of the routers did not
-change that). So the model is built with o_proj and expert down weights scaled by
-RESIDUAL_SCALE (0.1): the token embedding stays dominant, and routing stays token-dependent at
-every layer ("uniform"). "skewed" is a copy of that file whose router rows e are scaled by
-s_e = 1 + 7 * (rank_e + 1) ** -1.2 (seeded random rank per layer): a Zipf-like popularity. Each
-file is packed; both engines read the same file of each case. The table reports distinct experts
-per layer (mean over layers) over the timed steps, the busiest expert's share of picks (max over
-layers; 1/top_k means: picked for every token), and our hit rate.
+Routing. With a plain random init, routing collapses with depth, so the model is built with o_proj
+and expert down weights scaled by RESIDUAL_SCALE (0.1): routing stays token-dependent at every
+layer ("uniform"). "skewed" is a copy whose router rows e are scaled by s_e = 1 + 7 * (rank_e + 1)
+** -1.2 (seeded random rank per layer): a Zipf-like popularity.
 
-Runs, each engine in its own process, cold page cache, the same prompt ids, then decode steps fed
-the same fixed random token stream (greedy decoding of a random model loops over a few tokens and
-therefore a few experts; a fixed stream keeps routing varied and the work identical):
+Each engine runs in its own process. Per run: the model is opened, then for each --prompt-sizes n
+a fresh sequence prefills n prompt tokens (timed: the first time this process sees a prompt of
+that size), then a fresh sequence prefills the smallest prompt and --tokens decode steps follow
+(timed, the first and only pass: no warm-up replay), fed a fixed random token stream (greedy
+decoding of a random model loops over a few tokens, so over a few experts).
 
-* warm: llama.cpp (mmap, every page faulted in by a first pass) and ours with every expert
-  resident; f32 KV cache on llama.cpp, fast kernels on ours;
-* capped: the process inside a cgroup v1 memory limit (--cap-gib, default half the file; page
-  cache counts), llama.cpp mmapping the file (its CPU weight repacking, which copies every
-  K-quant weight into anonymous memory and gets it killed under the cap, turned off), ours
+Settings (--settings):
+* warm: the file in the page cache (read once before the run); llama.cpp mmaps it, ours holds every
+  expert resident; f32 KV cache on llama.cpp, fast kernels on ours;
+* cached: ours streamed with a host cache that holds the whole model (prefetch on); llama.cpp's
+  figure is its warm one;
+* nice19 / nice0: as warm, beside one single-threaded busy loop at that nice level (the same for
+  both engines), started before the engine's process and stopped after it;
+* capped: cold page cache, the process inside a cgroup v1 memory limit (--cap-gib, default half
+  the file; page cache counts), llama.cpp mmapping the file (its CPU weight repacking turned off:
+  it copies every K-quant weight into anonymous memory and gets killed under the cap), ours
   streaming through a host cache of --host-cache-gib with prefetch.
 
-Prints tok/s, bytes read per token (/proc/self/io), expert hit rate (ours), distinct experts per
-layer and the busiest expert's share, and the ratios ours/llama.cpp. Writes JSON to --out.
+Prints prefill and decode tok/s per setting and engine, MiB read per decode token (/proc/self/io),
+our expert hit rate, ours/llama.cpp ratios and each engine's contended/idle ratio. Writes JSON to
+--out. ``--ours-repo DIR`` runs our side from another checkout (a before/after comparison).
 """
 from __future__ import annotations
 
@@ -38,15 +39,17 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, os.environ.get("LQF_OURS_REPO") or str(REPO))   # --ours-repo: the worker runs that checkout
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import can_limit_memory, drop_page_cache, recorded_routing, routing_summary, run_json_worker  # noqa: E402
+from common import can_limit_memory, drop_page_cache, run_json_worker  # noqa: E402
 
 
 def read_bytes() -> int:
@@ -115,7 +118,7 @@ def _skewed_copy(files: dict) -> None:
 
 def worker_llama(spec: dict) -> dict:
     import llama_cpp
-    if not spec["warm"]:
+    if spec["setting"] == "capped":
         # llama.cpp's CPU backend repacks K-quant weights into its interleaved layout in anonymous
         # memory (a full copy: killed under the cap); without that extra buffer type it computes
         # straight from the mmapped file, which is how it can run in less RAM than the file.
@@ -127,22 +130,23 @@ def worker_llama(spec: dict) -> dict:
             params.use_extra_bufts = False
             return params
         C.llama_model_default_params = no_repack
-    steps = spec["stream"]
-    llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=spec["prompt_tokens"] + len(steps) + 8,
-                          n_threads=spec["threads"], n_threads_batch=spec["threads"], n_batch=64,
-                          type_k=0, type_v=0, logits_all=True, verbose=False)
-
-    def run(stream):
+    sizes, stream = spec["prompt_sizes"], spec["stream"]
+    llm = llama_cpp.Llama(model_path=spec["path"], n_ctx=max(sizes) + len(stream) + 8, n_threads=spec["threads"],
+                          n_threads_batch=spec["threads"], n_batch=512, n_ubatch=512, type_k=0, type_v=0,
+                          logits_all=False, verbose=False)
+    out = {"prefill_s": {}}
+    for n in sizes:
         llm.reset()
-        llm.eval(spec["prompt"])
-        out, before, t0 = [], read_bytes(), time.perf_counter()
-        for tok in stream:
-            out.append(int(llm.scores[llm.n_tokens - 1].argmax()))
-            llm.eval([tok])
-        return out, time.perf_counter() - t0, read_bytes() - before
-    run(steps if spec["warm"] else steps[:2])     # warm: fault every page in; capped: settle
-    argmax, dt, nbytes = run(steps)
-    return {"argmax": argmax, "decode_s": dt, "bytes_per_token": nbytes / len(steps)}
+        t0 = time.perf_counter()
+        llm.eval(spec["prompt"][:n])
+        out["prefill_s"][str(n)] = time.perf_counter() - t0
+    llm.reset()
+    llm.eval(spec["prompt"][:min(sizes)])
+    before, t0 = read_bytes(), time.perf_counter()
+    for tok in stream:
+        llm.eval([tok])
+    out["decode_s"], out["bytes_per_token"] = time.perf_counter() - t0, (read_bytes() - before) / len(stream)
+    return out
 
 
 def worker_ours(spec: dict) -> dict:
@@ -152,51 +156,87 @@ def worker_ours(spec: dict) -> dict:
     from lean_qwenflash.runtime import Runtime
 
     torch.set_num_threads(spec["threads"])
-    extra = {} if spec["warm"] else {"host_cache_bytes": int(spec["host_cache_gib"] * 2**30), "prefetch": True}
+    resident = spec["setting"] in ("warm", "nice19", "nice0")
+    extra = {} if resident else {"host_cache_bytes": int(spec["host_cache_gib"] * 2**30), "prefetch": True}
     cfg = load_config(model=spec["path"], dtype="float32", expert_kernels="fast", **extra)
-    steps = spec["stream"]
-    with Runtime.open(cfg, resident_experts=spec["warm"]) as rt:
+    sizes, stream, chunk = spec["prompt_sizes"], spec["stream"], cfg.generation.prefill_chunk_tokens
+    out = {"prefill_s": {}}
+    with Runtime.open(cfg, resident_experts=resident) as rt, torch.inference_mode():
         model = rt.model
 
-        def run(stream):
-            state = new_state(model)
-            with torch.inference_mode():
-                logits = model(torch.tensor([spec["prompt"]]), state, last_logits_only=True)
-                if hasattr(rt.provider, "stats"):
-                    rt.provider.reset_stats()
-                out, before, t0 = [], read_bytes(), time.perf_counter()
-                for tok in stream:
-                    out.append(int(logits[0, -1].argmax()))
-                    logits = model(torch.tensor([[tok]]), state)
-            return out, time.perf_counter() - t0, read_bytes() - before
-        run(steps if spec["warm"] else steps[:2])
-        argmax, dt, nbytes = run(steps)
+        def prefill(n):
+            state, ids = new_state(model), torch.tensor([spec["prompt"][:n]])
+            for i in range(0, n, chunk):           # the generator's chunked prefill
+                model(ids[:, i:i + chunk], state, last_logits_only=True)
+            return state
+        for n in sizes:
+            t0 = time.perf_counter()
+            prefill(n)
+            out["prefill_s"][str(n)] = time.perf_counter() - t0
+        state = prefill(min(sizes))
+        if hasattr(rt.provider, "reset_stats"):
+            rt.provider.reset_stats()
+        before, t0 = read_bytes(), time.perf_counter()
+        for tok in stream:
+            model(torch.tensor([[tok]]), state)
+        out["decode_s"], out["bytes_per_token"] = time.perf_counter() - t0, (read_bytes() - before) / len(stream)
         stats = rt.stats()
-        # Routing statistics from one more pass over the same stream, after the timing.
-        with recorded_routing(model) as routed:
-            run(steps)
-    out = {"argmax": argmax, "decode_s": dt, "bytes_per_token": nbytes / len(steps), **routing_summary(routed)}
     if stats:
         out["hit_rate"] = stats["total"]["hit_rate"]
     return out
 
 
-def run_worker(kind: str, spec: dict, cap_bytes: int | None) -> dict:
-    if os.geteuid() == 0:
+def warm_file(path: Path) -> None:
+    """Read a file once so that it sits in the page cache (the warm settings)."""
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+
+
+@contextmanager
+def neighbour(setting: str):
+    """One single-threaded busy loop at nice 19 or 0 beside the run (nothing for other settings)."""
+    if setting not in ("nice19", "nice0"):
+        yield
+        return
+    busy = subprocess.Popen(["nice", "-n", setting[4:], sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def run_worker(kind: str, spec: dict, cap_bytes: int | None, files: dict, case: str, ours_repo: str | None) -> dict:
+    path = files["gguf" if kind == "llama" else "pack"][case]
+    if spec["setting"] == "capped" and os.geteuid() == 0:
         drop_page_cache()
-    return run_json_worker([sys.executable, __file__, "--worker", kind, json.dumps(spec)], cap_bytes, "lqf-peer-gguf")
+    elif spec["setting"] != "capped":
+        for f in ([path] if kind == "llama" else sorted(Path(path).glob("*"))):
+            warm_file(f)
+    cmd = [sys.executable, __file__, "--worker", kind, json.dumps(dict(spec, path=str(path)))]
+    env = None
+    if kind == "ours" and ours_repo:
+        env = {**os.environ, "PYTHONPATH": ours_repo, "LQF_OURS_REPO": ours_repo}
+    with neighbour(spec["setting"]):
+        return run_json_worker(cmd, cap_bytes, "lqf-peer-gguf", env=env)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts-gib", type=float, default=14.5, help="bf16 size of the routed experts before Q4_K_M")
+    ap.add_argument("--experts-gib", type=float, default=6.0, help="bf16 size of the routed experts before Q4_K_M "
+                    "(6: 128 experts x 16 layers, a 1.98 GB Q4_K_M file)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="decode steps timed")
-    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--prompt-sizes", default="32,512,4096", help="prompt lengths whose prefill is timed")
+    ap.add_argument("--settings", default="warm,cached,nice19,nice0,capped")
     ap.add_argument("--cap-gib", type=float, help="cgroup memory cap (default: half the GGUF file)")
     ap.add_argument("--host-cache-gib", type=float, help="our host expert cache under the cap (default: cap - 1 GiB)")
     ap.add_argument("--cases", default="uniform,skewed")
+    ap.add_argument("--engines", default="llama,ours", help="which engines to run (e.g. ours, for a before/after)")
+    ap.add_argument("--ours-repo", help="run our side from this checkout (PYTHONPATH), e.g. a baseline worktree")
     ap.add_argument("--work", default=str(REPO / "bench" / "results" / "peer_gguf"))
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "peer_gguf.json"))
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -211,59 +251,83 @@ def main() -> int:
     config = files["config"]
     file_bytes = files["gguf"]["uniform"].stat().st_size
     cap = int(args.cap_gib * 2**30) if args.cap_gib else file_bytes // 2
-    host_cache = args.host_cache_gib if args.host_cache_gib else cap / 2**30 - 1.0
-    can_cap = can_limit_memory()
+    capped_cache = args.host_cache_gib if args.host_cache_gib else cap / 2**30 - 1.0
+    sizes = [int(n) for n in args.prompt_sizes.split(",")]
     import random
     rng = random.Random(0)
-    prompt = [rng.randrange(259, config["vocab_size"]) for _ in range(args.prompt_tokens)]
-    # Decode steps are fed a fixed random token stream (teacher forcing), the same for both
-    # engines: a greedy decode of a random model loops over a few tokens, and so over a few experts.
+    prompt = [rng.randrange(259, config["vocab_size"]) for _ in range(max(sizes))]
     stream = [rng.randrange(259, config["vocab_size"]) for _ in range(args.tokens)]
-    base = {"prompt": prompt, "stream": stream, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
-            "host_cache_gib": host_cache}
+    base = {"prompt": prompt, "stream": stream, "threads": args.threads, "prompt_sizes": sizes}
     rows = []
     for case in args.cases.split(","):
-        for setting in ("warm", "capped"):
-            if setting == "capped" and not can_cap:
+        for setting in args.settings.split(","):
+            if setting == "capped" and not can_limit_memory():
                 rows.append({"case": case, "setting": setting, "error": "needs root and cgroup v1"})
                 continue
+            # the cached setting: a host cache holding every record (file size is an upper bound)
+            spec = dict(base, setting=setting,
+                        host_cache_gib=capped_cache if setting == "capped" else file_bytes / 2**30 + 0.5)
             limit = cap if setting == "capped" else None
-            spec = dict(base, warm=setting == "warm")
-            ll = run_worker("llama", dict(spec, path=str(files["gguf"][case])), limit)
-            ours = run_worker("ours", dict(spec, path=str(files["pack"][case])), limit)
-            row = {"case": case, "setting": setting, "llama": ll, "ours": ours}
-            if "error" not in ll and "error" not in ours:
-                row["ratio"] = ll["decode_s"] / ours["decode_s"]
-                row["same_argmax"] = sum(a == b for a, b in zip(ll["argmax"], ours["argmax"])) / args.tokens
+            row = {"case": case, "setting": setting}
+            engines = args.engines.split(",")
+            if setting != "cached" and "llama" in engines:     # llama.cpp's cached figure is its warm one
+                row["llama"] = run_worker("llama", spec, limit, files, case, None)
+            if "ours" in engines:
+                row["ours"] = run_worker("ours", spec, limit, files, case, args.ours_repo)
             rows.append(row)
             print(f"  {case} {setting} done", file=sys.stderr, flush=True)
-
-    print(f"\nGGUF Q4_K_M made by llama.cpp from a random Qwen3-MoE-shaped model: {file_bytes / 2**30:.2f} GiB, "
-          f"{config['num_hidden_layers']} layers x {config['num_experts']} experts, top-{config['num_experts_per_tok']}; "
-          f"{args.threads} threads; {args.tokens} decode steps (a fixed random token stream) after a "
-          f"{args.prompt_tokens}-token prompt; page cache dropped before each run. "
-          f"Capped: cgroup limit {cap / 2**30:.2f} GiB (page cache counted), our host cache {host_cache:.2f} GiB.")
-    print(f"{'routing':8s} {'setting':7s} {'engine':10s} {'tok/s':>7s} {'MiB read/tok':>13s} {'hit rate':>9s} "
-          f"{'experts/layer':>14s} {'top share':>10s} {'ours/llama':>11s} {'same argmax':>12s}")
-    for r in rows:
-        if "ratio" not in r:
-            errors = [r.get("error")] + [f"{e}: {r[e].get('error') or 'exit status only (killed?)'}"
-                                         for e in ("llama", "ours") if e in r and "error" in r[e]]
-            print(f"{r['case']:8s} {r['setting']:7s} error: {'; '.join(str(e)[-300:] for e in errors if e)}")
-            continue
-        for engine in ("llama", "ours"):
-            m = r[engine]
-            m["tok_s"] = args.tokens / m["decode_s"]
-            print(f"{r['case']:8s} {r['setting']:7s} {'llama.cpp' if engine == 'llama' else 'ours':10s} "
-                  f"{m['tok_s']:7.2f} {m['bytes_per_token'] / 2**20:13.1f} "
-                  f"{m.get('hit_rate', float('nan')):9.2f} {m.get('distinct_experts_per_layer', float('nan')):14.1f} "
-                  f"{m.get('top_expert_share', float('nan')):10.2f} "
-                  + (f"{r['ratio']:10.2f}x {100 * r['same_argmax']:11.0f}%" if engine == "ours" else ""))
+    print_table(rows, sizes, args, config, file_bytes, cap, capped_cache)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"config": config, "file_bytes": file_bytes, "cap_bytes": cap,
-                                          "host_cache_gib": host_cache, "rows": rows}, indent=1))
+                                          "host_cache_gib": capped_cache, "ours_repo": args.ours_repo,
+                                          "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+def _rates(m: dict, sizes: list, tokens: int) -> list:
+    return [int(n) / m["prefill_s"][str(n)] for n in sizes] + [tokens / m["decode_s"]]
+
+
+def print_table(rows, sizes, args, config, file_bytes, cap, capped_cache) -> None:
+    print(f"\nGGUF Q4_K_M made by llama.cpp from a random Qwen3-MoE-shaped model: {file_bytes / 2**30:.2f} GiB, "
+          f"{config['num_hidden_layers']} layers x {config['num_experts']} experts, top-{config['num_experts_per_tok']}; "
+          f"{args.threads} threads; prefill of a fresh {'/'.join(map(str, sizes))}-token prompt, then {args.tokens} "
+          f"decode steps (a fixed random token stream) after the {min(sizes)}-token prompt, first pass each. "
+          f"Capped: cgroup limit {cap / 2**30:.2f} GiB (page cache counted), our host cache {capped_cache:.2f} GiB.")
+    cols = [f"prefill {n}" for n in sizes] + ["decode"]
+    print(f"{'routing':8s} {'setting':8s} {'engine':10s} " + " ".join(f"{c:>12s}" for c in cols)
+          + f" {'MiB/tok':>8s} {'hit':>5s}   ours/llama (prefill..., decode)   vs idle")
+    idle = {}
+    for r in rows:
+        for engine in ("llama", "ours"):
+            m = r.get(engine)
+            if m is None:
+                continue
+            if "error" in m or "error" in r:
+                print(f"{r['case']:8s} {r['setting']:8s} {engine:10s} error: {str(m.get('error') or r.get('error'))[-300:]}")
+                continue
+            rates = _rates(m, sizes, args.tokens)
+            m["prefill_tok_s"] = dict(zip(map(str, sizes), rates[:-1]))
+            m["decode_tok_s"] = rates[-1]
+            if r["setting"] == "warm":
+                idle[r["case"], engine] = rates
+            extra = ""
+            if engine == "ours":
+                ref = r.get("llama") or next((x.get("llama") for x in rows if x["case"] == r["case"]
+                                              and x["setting"] == "warm"), None)
+                if ref and "error" not in ref:
+                    ratio = [a / b for a, b in zip(rates, _rates(ref, sizes, args.tokens))]
+                    r["ratio_ours_llama"] = ratio
+                    extra += "  " + " ".join(f"{x:5.2f}" for x in ratio)
+            base = idle.get((r["case"], engine))
+            if base and r["setting"] in ("nice19", "nice0", "cached"):
+                rel = [a / b for a, b in zip(rates, base)]
+                m["vs_idle"] = rel
+                extra += "   idle x " + " ".join(f"{x:4.2f}" for x in rel)
+            print(f"{r['case']:8s} {r['setting']:8s} {'llama.cpp' if engine == 'llama' else 'ours':10s} "
+                  + " ".join(f"{x:12.1f}" for x in rates)
+                  + f" {m['bytes_per_token'] / 2**20:8.1f} {m.get('hit_rate', float('nan')):5.2f}" + extra)
 
 
 if __name__ == "__main__":

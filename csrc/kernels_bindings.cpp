@@ -43,6 +43,21 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("x"), py::arg("hidden"), py::arg("inter"), py::arg("gate_up"), py::arg("down"), py::arg("weights"),
         py::arg("gate_up_enc"), py::arg("down_enc"), py::arg("out"), py::arg("threads"), py::arg("isa") = "auto");
     m.def(
+        "moe_prefill",
+        [](uintptr_t x, int hidden, int inter, const std::vector<uintptr_t>& gate_up, const std::vector<uintptr_t>& down,
+           uintptr_t counts, uintptr_t tokens, uintptr_t weights, int gu_enc, int dn_enc, uintptr_t out, int threads,
+           const std::string& isa) {
+            std::vector<const uint8_t*> gu(gate_up.size()), dn(down.size());
+            for (size_t i = 0; i < gu.size(); ++i) gu[i] = ptr<const uint8_t>(gate_up[i]);
+            for (size_t i = 0; i < dn.size(); ++i) dn[i] = ptr<const uint8_t>(down[i]);
+            py::gil_scoped_release nogil;
+            moe_prefill(ptr<const float>(x), hidden, inter, gu, dn, ptr<const int>(counts), ptr<const int>(tokens),
+                        ptr<const float>(weights), gu_enc, dn_enc, ptr<float>(out), threads, isa);
+        },
+        py::arg("x"), py::arg("hidden"), py::arg("inter"), py::arg("gate_up"), py::arg("down"), py::arg("counts"),
+        py::arg("tokens"), py::arg("weights"), py::arg("gate_up_enc"), py::arg("down_enc"), py::arg("out"),
+        py::arg("threads"), py::arg("isa") = "auto");
+    m.def(
         "dequantize",
         [](uintptr_t src, int enc, int rows, int cols, uintptr_t dst, int threads) {
             py::gil_scoped_release nogil;

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -67,6 +68,17 @@ std::atomic<int> g_spin_iterations{2000};
 
 int set_spin(int iterations) { return g_spin_iterations.exchange(iterations < 0 ? 0 : iterations); }
 
+// One call's tasks. Workers claim task indices from `next` and count finished ones in `done`; the
+// caller returns as soon as every task is done, so a worker the scheduler has not run yet (a busy
+// neighbour holds its core) costs nothing: the caller claims its tasks too. A worker that wakes late
+// finds `next` past `total` and leaves the job alone (it keeps the job alive through its shared_ptr).
+struct Job {
+    const std::function<void(int)>* fn = nullptr;
+    int total = 0;
+    std::atomic<int> next{0};
+    std::atomic<int> done{0};
+};
+
 class Pool {
    public:
     explicit Pool(int n) {
@@ -89,64 +101,76 @@ class Pool {
             for (int t = 0; t < num_tasks; ++t) fn(t);
             return;
         }
+        std::lock_guard<std::mutex> one_job(run_mu_);   // callers on several threads take turns
+        auto job = std::make_shared<Job>();
+        job->fn = &fn;
+        job->total = num_tasks;
         {
             std::lock_guard<std::mutex> lk(mu_);
-            fn_ = &fn;
-            total_ = num_tasks;
-            next_.store(0);
-            busy_.store(static_cast<int>(workers_.size()));
+            job_ = job;
             ++gen_;
             gen_atomic_.store(gen_, std::memory_order_release);
         }
         cv_.notify_all();
-        work();
-        while (busy_.load(std::memory_order_acquire) != 0) std::this_thread::yield();
+        work(*job);
+        // Tasks a worker claimed and is still running: spin briefly, then yield the core (that
+        // worker may be waiting for it), never an unbounded spin.
+        for (int i = 0; job->done.load(std::memory_order_acquire) != num_tasks; ++i) {
+            if (i < 4096)
+                __builtin_ia32_pause();
+            else
+                std::this_thread::yield();
+        }
+        std::lock_guard<std::mutex> lk(mu_);
+        if (job_ == job) job_.reset();
     }
 
    private:
-    void work() {
-        for (int t; (t = next_.fetch_add(1)) < total_;) (*fn_)(t);
+    static void work(Job& job) {
+        for (int t; (t = job.next.fetch_add(1, std::memory_order_relaxed)) < job.total;) {
+            (*job.fn)(t);
+            job.done.fetch_add(1, std::memory_order_acq_rel);
+        }
     }
     void loop() {
         uint64_t seen = 0;
         for (;;) {
-            // Spin a little: consecutive calls (two phases per layer, many layers) come fast.
+            // Spin a little (bounded: g_spin_iterations pauses): consecutive calls come fast.
             for (int i = 0; i < g_spin_iterations.load(std::memory_order_relaxed) &&
                             gen_atomic_.load(std::memory_order_acquire) == seen;
                  ++i)
                 __builtin_ia32_pause();
+            std::shared_ptr<Job> job;
             {
                 std::unique_lock<std::mutex> lk(mu_);
                 cv_.wait(lk, [&] { return gen_ != seen; });
                 seen = gen_;
                 if (stop_) return;
+                job = job_;
             }
-            work();
-            busy_.fetch_sub(1, std::memory_order_acq_rel);
+            if (job) work(*job);
         }
     }
 
     std::vector<std::thread> workers_;
+    std::mutex run_mu_;
     std::mutex mu_;
     std::condition_variable cv_;
     uint64_t gen_ = 0;
     std::atomic<uint64_t> gen_atomic_{0};
     bool stop_ = false;
-    const std::function<void(int)>* fn_ = nullptr;
-    int total_ = 0;
-    std::atomic<int> next_{0};
-    std::atomic<int> busy_{0};
+    std::shared_ptr<Job> job_;
 };
 
+// One pool per thread count, made on first use and kept: models with different thread budgets in
+// one process each get theirs, and no pool is torn down under a caller still using it.
 static Pool& pool(int num_threads) {
-    static std::unique_ptr<Pool> p;
+    static std::map<int, std::unique_ptr<Pool>> pools;
     static std::mutex mu;
     std::lock_guard<std::mutex> lk(mu);
     num_threads = std::max(1, num_threads);
-    if (!p || p->size() != num_threads) {
-        p.reset();
-        p.reset(new Pool(num_threads));
-    }
+    auto& p = pools[num_threads];
+    if (!p) p.reset(new Pool(num_threads));
     return *p;
 }
 
@@ -248,6 +272,88 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
             float acc = 0.f;
             for (int e = 0; e < num_experts; ++e) acc += weights[e] * dot_dn(down[e] + r * dn_stride, acts[e], inter);
             out[r] = acc;
+        }
+    });
+}
+
+void moe_prefill(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                 const std::vector<const uint8_t*>& down, const int* counts, const int* tokens, const float* weights,
+                 int gate_up_enc, int down_enc, float* out, int num_threads, const std::string& isa) {
+    check_cols(gate_up_enc, hidden, "moe_prefill gate_up");
+    check_cols(down_enc, inter, "moe_prefill down");
+    const KernelTable& k = kernels_for(isa);
+    const int num_experts = static_cast<int>(gate_up.size());
+    if (down.size() != gate_up.size()) throw std::invalid_argument("moe_prefill: gate_up and down must have one entry per expert");
+    std::vector<int> first(num_experts + 1, 0);                 // expert e's pairs: first[e] .. first[e+1]
+    for (int e = 0; e < num_experts; ++e) {
+        if (counts[e] <= 0) throw std::invalid_argument("moe_prefill: every expert of a call needs at least one token");
+        first[e + 1] = first[e] + counts[e];
+    }
+    const int pairs = first[num_experts];
+    int num_tokens = 0;                                          // tokens are rows of x and out
+    for (int p = 0; p < pairs; ++p) num_tokens = std::max(num_tokens, tokens[p] + 1);
+    Pool& pl = pool(num_threads);
+
+    // 1. each token's activations, quantized once for the gate_up encoding
+    std::vector<ActBuf> ax(num_tokens);
+    pl.run(num_tokens, [&](int t) { ax[t].prepare(gate_up_enc, x + static_cast<size_t>(t) * hidden, hidden); });
+    std::vector<Act> act_x(num_tokens);
+    for (int t = 0; t < num_tokens; ++t) act_x[t] = ax[t].act();
+
+    // 2. gate_up: a block of one expert's rows against each of its tokens (the rows stay in cache)
+    const size_t gu_stride = enc_row_bytes(gate_up_enc, hidden);
+    const DotFn dot_gu = k.dot[gate_up_enc];
+    std::vector<float> h(static_cast<size_t>(pairs) * 2 * inter);
+    const int gu_step = std::min(2 * inter, 16);
+    const int gu_blocks = (2 * inter + gu_step - 1) / gu_step;
+    pl.run(num_experts * gu_blocks, [&](int task) {
+        const int e = task / gu_blocks, r0 = (task % gu_blocks) * gu_step, r1 = std::min(2 * inter, r0 + gu_step);
+        for (int r = r0; r < r1; ++r) {
+            const uint8_t* row = gate_up[e] + r * gu_stride;
+            for (int p = first[e]; p < first[e + 1]; ++p)
+                h[static_cast<size_t>(p) * 2 * inter + r] = dot_gu(row, act_x[tokens[p]], hidden);
+        }
+    });
+
+    // 3. silu(gate) * up per pair, quantized for the down product
+    std::vector<float> a(static_cast<size_t>(pairs) * inter);
+    std::vector<ActBuf> aq(pairs);
+    pl.run(pairs, [&](int p) {
+        const float* hp = h.data() + static_cast<size_t>(p) * 2 * inter;
+        float* ap = a.data() + static_cast<size_t>(p) * inter;
+        for (int i = 0; i < inter; ++i) {
+            const float g = hp[i];
+            ap[i] = g / (1.f + std::exp(-g)) * hp[inter + i];
+        }
+        aq[p].prepare(down_enc, ap, inter);
+    });
+    std::vector<Act> act_a(pairs);
+    for (int p = 0; p < pairs; ++p) act_a[p] = aq[p].act();
+
+    // 4. down per pair: y [pairs, H]
+    const size_t dn_stride = enc_row_bytes(down_enc, inter);
+    const DotFn dot_dn = k.dot[down_enc];
+    std::vector<float> y(static_cast<size_t>(pairs) * hidden);
+    const int dn_step = std::min(hidden, 16);
+    const int dn_blocks = (hidden + dn_step - 1) / dn_step;
+    pl.run(num_experts * dn_blocks, [&](int task) {
+        const int e = task / dn_blocks, r0 = (task % dn_blocks) * dn_step, r1 = std::min(hidden, r0 + dn_step);
+        for (int r = r0; r < r1; ++r) {
+            const uint8_t* row = down[e] + r * dn_stride;
+            for (int p = first[e]; p < first[e + 1]; ++p) y[static_cast<size_t>(p) * hidden + r] = dot_dn(row, act_a[p], inter);
+        }
+    });
+
+    // 5. out[token] += weight * y, expert by expert in the call's order (as torch's per-expert
+    //    index_add: a prefill split into several calls adds in the same order); threads own columns
+    const int col_step = std::max(64, hidden / (4 * pl.size()));
+    pl.run((hidden + col_step - 1) / col_step, [&](int task) {
+        const int c0 = task * col_step, c1 = std::min(hidden, c0 + col_step);
+        for (int p = 0; p < pairs; ++p) {
+            const float w = weights[p];
+            const float* yp = y.data() + static_cast<size_t>(p) * hidden;
+            float* op = out + static_cast<size_t>(tokens[p]) * hidden;
+            for (int c = c0; c < c1; ++c) op[c] += w * yp[c];
         }
     });
 }

@@ -22,6 +22,13 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
                 float* out, int num_threads, const std::string& isa);
 
 // dst[rows, cols] fp32 = the rows of src decoded exactly
+// Many tokens through the experts of one layer: expert e (gate_up[e], down[e]) takes the next
+// counts[e] (token, weight) pairs of tokens/weights; out[token, H] += weight * down(silu(gate) * up)
+// for every pair, added expert by expert in this order. x [tokens, H] fp32 (quantized per token
+// for block encodings), out accumulated in place.
+void moe_prefill(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                 const std::vector<const uint8_t*>& down, const int* counts, const int* tokens, const float* weights,
+                 int gate_up_enc, int down_enc, float* out, int num_threads, const std::string& isa);
 void dequantize(const uint8_t* src, int enc, int rows, int cols, float* dst, int num_threads);
 
 }  // namespace lqf

@@ -75,6 +75,11 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
     else:
         out("CPU kernels:   NOT built (reinstall: pip install -e .); quantized experts fall back to torch")
         problems += 1
+    from .models.policy import available_cpus, cgroup_cpu_limit
+    quota = cgroup_cpu_limit()
+    out(f"CPU budget:    {available_cpus()} threads for compute (affinity {len(os.sched_getaffinity(0))} cores"
+        + (f", cgroup quota {quota:.2f} cores" if quota is not None else ", no cgroup CPU quota")
+        + "; cpu_threads: 0 uses this, torch and the native kernels share it)")
 
     if pack:
         from .store import ExpertStore

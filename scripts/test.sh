@@ -2,5 +2,5 @@
 # Set up (if needed) and run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --test
 exec ${PYTHON:-python3} -m pytest -q -p no:cacheprovider tests "$@"

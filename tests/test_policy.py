@@ -5,7 +5,8 @@ import torch
 
 from lean_qwenflash.config import load_config
 from lean_qwenflash.generate.state import new_state
-from lean_qwenflash.models.policy import DECODE_SPIN, ExecPolicy
+from lean_qwenflash.models import native
+from lean_qwenflash.models.policy import DECODE_SPIN, ExecPolicy, available_cpus, cgroup_cpu_limit
 from lean_qwenflash.runtime import Runtime
 from lean_qwenflash.store import pack
 
@@ -68,6 +69,9 @@ def test_two_models_with_different_policies_in_one_process(q4_pack):
 def test_policy_from_config():
     fast = ExecPolicy.from_config(load_config(cpu_threads=3))
     assert (fast.kernel_mode, fast.float_native, fast.native_threads, fast.decode_torch_threads) == ("fast", True, 3, 1)
+    assert fast.torch_threads == 3                      # one budget for torch and the native kernels
+    auto = ExecPolicy.from_config(load_config())
+    assert auto.torch_threads == auto.native_threads == available_cpus()
     assert fast.decode_spin == DECODE_SPIN
     exact = ExecPolicy.from_config(load_config(expert_kernels="exact", cpu_isa="scalar"))
     assert (exact.kernel_mode, exact.float_native, exact.isa, exact.decode_torch_threads) == ("exact", False, "scalar", None)
@@ -78,3 +82,46 @@ def test_policy_from_config():
     with pytest.raises(TypeError, match="expected an ExecPolicy"):
         from lean_qwenflash.models.base import CausalLM
         CausalLM.set_policy(object.__new__(CausalLM), "fast")
+
+
+def test_cpu_budget_reads_the_cgroup_quota(tmp_path, monkeypatch):
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(str(v2)) == 1.5
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(v2)) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(str(v1)) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("100000\n")
+    assert cgroup_cpu_limit(str(v1)) == 1.0
+    assert cgroup_cpu_limit(str(tmp_path / "missing")) is None
+    import lean_qwenflash.models.policy as policy
+    monkeypatch.setattr(policy, "cgroup_cpu_limit", lambda: 1.0)
+    assert available_cpus() == 1                        # a 1-core quota caps the affinity mask
+    monkeypatch.setattr(policy, "cgroup_cpu_limit", lambda: None)
+    assert available_cpus() == len(__import__("os").sched_getaffinity(0))
+
+
+def test_native_kernels_called_from_two_threads_with_different_budgets():
+    """Two models' kernels on two Python threads (the GIL is released in the calls): each gets its
+    own pool size, calls take turns on a pool, and every result is the single-threaded one."""
+    import threading
+    gen = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(512, 256, generator=gen), torch.randn(256, generator=gen)
+    want = native.gemv(weight, x, threads=1)
+    bad = []
+
+    def hammer(threads):
+        for _ in range(200):
+            if not torch.equal(native.gemv(weight, x, threads=threads), want):
+                bad.append(threads)
+    workers = [threading.Thread(target=hammer, args=(t,)) for t in (2, 3, 2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not bad

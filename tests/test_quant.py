@@ -198,6 +198,59 @@ def test_moe_decode_is_independent_of_thread_count():
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
+def _prefill_case(gate_up, down, num, seed, tokens=7, top_k=3, hidden=256, inter=256):
+    gen = torch.Generator().manual_seed(seed)
+    experts, ref = _experts(gate_up, down, num, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen)
+    picks = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(tokens)])   # [T, k]
+    weights = torch.rand(tokens, top_k, generator=gen)
+    order = torch.argsort(picks.reshape(-1), stable=True)
+    ids, counts = torch.unique(picks.reshape(-1), return_counts=True)
+    return x, [experts[i] for i in ids.tolist()], experts, counts, order // top_k, \
+        weights.reshape(-1)[order], picks, weights, ref
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("q5_k", "q4_k"), ("q4_0", "q8_0")])
+def test_moe_prefill_matches_torch_reference(isa, gate_up, down):
+    """Many tokens through their experts in one call: each token's output is its own experts'
+    weighted sum (int8 activations: within the fast path's bound), and it equals running each
+    token alone through moe_decode up to the order of the sum."""
+    x, experts, all_experts, counts, tokens, weights, picks, pick_w, ref = _prefill_case(gate_up, down, 6, 3)
+    out = native.moe_prefill(x, experts, counts, tokens, weights, torch.zeros_like(x), isa=isa, threads=2)
+    for t in range(x.shape[0]):
+        chosen = [ref[e] for e in picks[t].tolist()]
+        want = _torch_moe(x[t:t + 1], chosen, pick_w[t].tolist())
+        assert ((out[t].double() - want).norm() / want.norm()).item() < 3e-2, t
+        alone = native.moe_decode(x[t:t + 1], [all_experts[e] for e in picks[t].tolist()], pick_w[t].tolist(),
+                                  isa=isa)[0]
+        torch.testing.assert_close(out[t], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_prefill_is_deterministic_and_splits_like_the_torch_path():
+    """Bit-equal across thread counts; and a call over all experts equals two calls over two groups
+    of them (a streaming provider's acquire limit), since outputs are added expert by expert."""
+    x, experts, _, counts, tokens, weights, *_ = _prefill_case("q4_k", "q6_k", 8, 5, tokens=9)
+    runs = [native.moe_prefill(x, experts, counts, tokens, weights, torch.zeros_like(x), threads=t) for t in (1, 2, 3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    half = len(experts) // 2
+    n = int(counts[:half].sum())
+    split = torch.zeros_like(x)
+    native.moe_prefill(x, experts[:half], counts[:half], tokens[:n], weights[:n], split)
+    native.moe_prefill(x, experts[half:], counts[half:], tokens[n:], weights[n:], split)
+    assert torch.equal(split, runs[0])
+    scalar = native.moe_prefill(x, experts, counts, tokens, weights, torch.zeros_like(x), isa="scalar")
+    for isa in native.ISAS:       # every ISA within the fast path's bound of the scalar one
+        other = native.moe_prefill(x, experts, counts, tokens, weights, torch.zeros_like(x), isa=isa)
+        assert ((other - scalar).norm() / scalar.norm()).item() < 1e-4, isa
+    with pytest.raises(ValueError, match="sum to the number"):
+        native.moe_prefill(x, experts, counts + 1, tokens, weights, torch.zeros_like(x))
+    with pytest.raises(ValueError, match="rows of x"):
+        native.moe_prefill(x, experts, counts, tokens + 100, weights, torch.zeros_like(x))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        native.moe_prefill(x.double(), experts, counts, tokens, weights, torch.zeros_like(x))
+
+
 def test_dequantize_equals_gguf_on_blocks_quantized_by_llama_cpp(tmp_path):
     """Real blocks from llama.cpp's own quantizer (a tiny Qwen3-MoE exported to GGUF f32, then
     quantized to each type): our torch and native dequantizers give gguf's values bit for bit."""

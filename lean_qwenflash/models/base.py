@@ -122,18 +122,22 @@ class CausalLM(nn.Module):
         threads, torch's small per-token ops run faster on one thread than fighting them for the
         cores: q4_k_m decode 35 -> 43 tok/s) and keep the native pool spinning meanwhile."""
         policy = self.exec.policy
-        threads = policy.decode_torch_threads
-        if threads and input_ids.shape[-1] == 1 and input_ids.device.type == "cpu":
-            saved = torch.get_num_threads()
-            if saved != threads:
-                torch.set_num_threads(threads)
-                spin = native.set_spin(policy.decode_spin)   # torch is on one thread: keep ours awake
-                try:
-                    return self._forward(input_ids, state, last_logits_only)
-                finally:
-                    native.set_spin(spin)
-                    torch.set_num_threads(saved)
-        return self._forward(input_ids, state, last_logits_only)
+        if input_ids.device.type != "cpu":
+            return self._forward(input_ids, state, last_logits_only)
+        one_token = input_ids.shape[-1] == 1
+        threads = policy.decode_torch_threads if one_token else policy.torch_threads
+        saved = torch.get_num_threads()
+        if not threads or saved == threads:
+            return self._forward(input_ids, state, last_logits_only)
+        torch.set_num_threads(threads)
+        # torch on one thread for a decode step: keep the native workers awake across its many calls
+        spin = native.set_spin(policy.decode_spin) if one_token and policy.decode_torch_threads else None
+        try:
+            return self._forward(input_ids, state, last_logits_only)
+        finally:
+            if spin is not None:
+                native.set_spin(spin)
+            torch.set_num_threads(saved)
 
     def _forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
         """Logits for ``input_ids`` [B, T] that continue ``state`` (a ``ModelState``, updated in place).

@@ -11,7 +11,9 @@ its experts, one call per layer) and ``expert_mlp`` (many tokens through one exp
   multiplied with torch, as float weights are. Bit-identity tests use it.
 * ``fast`` (decode on CPU): the native fused kernels of csrc/ read the encoded rows directly, with
   activations quantized to int8 blocks of 32 for block encodings (float rows take fp32
-  activations). Many-token products always take the exact path (dequantize, then a GEMM). Attention always goes through SDPA, which
+  activations). Many-token products on block-encoded records take one native call per group of
+  experts in fast mode (``experts_prefill``), otherwise the exact path (dequantize, then a GEMM).
+  Attention always goes through SDPA, which
 already dispatches to flash/memory-efficient kernels on CUDA. The CUDA branches run in
 tests/test_cuda.py (on a GPU machine: scripts/device_check.sh).
 """
@@ -150,6 +152,20 @@ def experts_decode(x: torch.Tensor, experts, weights, ctx: ExecContext = STANDAL
             down_parts = split_parts(down)
         out.add_(split_gemv(split_input(act, down_parts), down, down_parts), alpha=weight)
     return out
+
+
+def prefill_native(x: torch.Tensor, experts, ctx: ExecContext) -> bool:
+    """Whether many-token products with these experts run natively: fast mode on CPU and block-encoded
+    records (float records stay on torch's GEMM, which beats per-token dot products on them)."""
+    return (ctx.policy.kernel_mode == "fast" and x.device.type == "cpu" and isinstance(experts[0].gate_up, QuantTensor)
+            and isinstance(experts[0].down, QuantTensor) and _fast_ok(x, experts))
+
+
+def experts_prefill(x: torch.Tensor, experts, counts, tokens, weights, out: torch.Tensor,
+                    ctx: ExecContext = STANDALONE) -> None:
+    """Fast mode, many tokens: one native call for every expert of a group (see native.moe_prefill):
+    ``out`` [N, H] fp32 += each (token, weight) pair's expert output; int8 activations per token."""
+    native.moe_prefill(x, experts, counts, tokens, weights, out, isa=ctx.policy.isa, threads=ctx.policy.native_threads)
 
 
 def expert_mlp(x: torch.Tensor, expert, ctx: ExecContext = STANDALONE) -> torch.Tensor:

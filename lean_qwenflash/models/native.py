@@ -96,6 +96,31 @@ def moe_decode(x: torch.Tensor, experts: Sequence, weights: Sequence[float], isa
     return out
 
 
+def moe_prefill(x: torch.Tensor, experts: Sequence, counts: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor,
+                out: torch.Tensor, isa: str = "auto", threads: int = 0) -> torch.Tensor:
+    """Many tokens through experts of one layer, added into ``out`` [N, H] (fp32, in place): expert
+    e takes the next ``counts[e]`` entries of ``tokens`` (row indices of x) and ``weights``;
+    ``out[t] += w * down_e(silu(gate_e x_t) * up_e x_t)``, expert by expert in order. x [N, H]."""
+    gu0, dn0 = experts[0].gate_up, experts[0].down
+    hidden, inter = dn0.shape
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"moe_prefill: x must be contiguous fp32 [N, {hidden}], got {x.dtype} {tuple(x.shape)}")
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != x.shape:
+        raise ValueError(f"moe_prefill: out must be contiguous fp32 {tuple(x.shape)}")
+    if tuple(gu0.shape) != (2 * inter, hidden):
+        raise ValueError(f"moe_prefill: gate_up {tuple(gu0.shape)}, down {tuple(dn0.shape)}")
+    counts, tokens = counts.to(torch.int32).contiguous(), tokens.to(torch.int32).contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    if counts.numel() != len(experts) or tokens.numel() != weights.numel() or int(counts.sum()) != tokens.numel():
+        raise ValueError("moe_prefill: counts must have one entry per expert and sum to the number of tokens/weights")
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= x.shape[0]):
+        raise ValueError(f"moe_prefill: token indices must be rows of x (0..{x.shape[0] - 1})")
+    _K.moe_prefill(x.data_ptr(), hidden, inter, [_address(w.gate_up) for w in experts],
+                   [_address(w.down) for w in experts], counts.data_ptr(), tokens.data_ptr(), weights.data_ptr(),
+                   encoding_id(gu0), encoding_id(dn0), out.data_ptr(), _threads(threads), isa)
+    return out
+
+
 def dequantize_into(weight: QuantTensor, out: torch.Tensor, threads: int = 0) -> torch.Tensor:
     """Exact fp32 rows of ``weight`` into ``out`` (contiguous fp32 of the weight's shape)."""
     if out.dtype != torch.float32 or not out.is_contiguous() or tuple(out.shape) != tuple(weight.shape):

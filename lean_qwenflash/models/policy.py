@@ -11,7 +11,10 @@ buffers, and a policy never leaks from one model into another.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -24,6 +27,34 @@ DECODE_SPIN = 100000
 ALIGNMENT = 4096          # workspace buffers start on a page, as store records do
 
 
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> Optional[float]:
+    """The CPU quota of this process's cgroup in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` /
+    ``cpu.cfs_period_us``); None when there is none or it cannot be read."""
+    try:
+        quota, period = Path(root, "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
+        period = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def available_cpus() -> int:
+    """Cores this process may run on: its affinity mask, capped by its cgroup's CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(1, math.floor(limit)))
+    return max(1, cores)
+
+
 @dataclass(frozen=True)
 class ExecPolicy:
     """What a model's kernels do (see ``models.kernels``).
@@ -33,14 +64,20 @@ class ExecPolicy:
     * ``float_native``: one-row products with large float weights also take the native kernel;
     * ``isa``: force a native path (auto, scalar, avx2, avx512);
     * ``native_threads``: threads of the native kernels (0: torch's intra-op count at each call);
+    * ``torch_threads``: torch's intra-op threads for many-token steps (prefill) on CPU (None:
+      leave torch's setting);
     * ``decode_torch_threads``: torch's intra-op threads during one-token CPU steps (None: leave
       torch's setting), with the native pool's idle spin set to ``decode_spin`` meanwhile.
+
+    The thread counts are one budget (``from_config``): torch and the native kernels take turns on
+    the same cores, never more threads than the cores this process may use.
     """
 
     kernel_mode: str = "fast"
     float_native: bool = False
     isa: str = "auto"
     native_threads: int = 0
+    torch_threads: Optional[int] = None
     decode_torch_threads: Optional[int] = None
     decode_spin: int = DECODE_SPIN
 
@@ -48,19 +85,23 @@ class ExecPolicy:
         if self.kernel_mode not in EXPERT_KERNELS or self.isa not in KERNEL_ISAS:
             raise ValueError(f"expert kernels must be one of {EXPERT_KERNELS} and isa one of {KERNEL_ISAS}; "
                              f"got {self.kernel_mode!r}, {self.isa!r}")
-        if self.native_threads < 0 or (self.decode_torch_threads is not None and self.decode_torch_threads < 1):
-            raise ValueError(f"native_threads must be >= 0 and decode_torch_threads >= 1 or None; got "
-                             f"{self.native_threads}, {self.decode_torch_threads}")
+        if self.native_threads < 0 or any(t is not None and t < 1 for t in (self.torch_threads, self.decode_torch_threads)):
+            raise ValueError(f"native_threads must be >= 0, torch_threads and decode_torch_threads >= 1 or None; got "
+                             f"{self.native_threads}, {self.torch_threads}, {self.decode_torch_threads}")
 
     @classmethod
     def from_config(cls, cfg) -> "ExecPolicy":
         """The policy a runtime config asks for (``expert_kernels``, ``cpu_isa``, ``cpu_threads``,
-        ``device``). On CPU in fast mode one-token steps run torch on one thread and the native
-        kernels on ``cpu_threads`` (default: torch's intra-op count now): torch's small per-token
-        ops are faster on one thread than fighting the kernels for the cores."""
-        fast_cpu = cfg.device == "cpu" and cfg.expert_kernels == "fast"
+        ``device``). One thread budget on CPU: ``cpu_threads``, or the cores this process may use
+        (``available_cpus``: affinity and cgroup quota), for torch's many-token work and for the
+        native kernels alike. In fast mode one-token steps run torch on one thread and the native
+        kernels on the budget: torch's small per-token ops are faster on one thread than fighting
+        the kernels for the cores."""
+        cpu = cfg.device == "cpu"
+        budget = cfg.cpu_threads or available_cpus()
+        fast_cpu = cpu and cfg.expert_kernels == "fast"
         return cls(kernel_mode=cfg.expert_kernels, float_native=cfg.expert_kernels == "fast", isa=cfg.cpu_isa,
-                   native_threads=cfg.cpu_threads or (torch.get_num_threads() if fast_cpu else 0),
+                   native_threads=budget if cpu else cfg.cpu_threads, torch_threads=budget if cpu else None,
                    decode_torch_threads=1 if fast_cpu else None)
 
     def with_kernels(self, mode: str, isa: Optional[str] = None) -> "ExecPolicy":

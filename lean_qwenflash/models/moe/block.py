@@ -22,7 +22,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     x [N, H], weights and indices [N, k]. The provider is asked once for the unique selected ids
     (sorted); the result depends only on the weights it returns, so any provider serving the same
     bytes gives the same bits. Decode is one ``kernels.experts_decode`` call (exact or fast as
-    ``ctx.policy`` says); prefill groups tokens by expert: one gather + ``kernels.expert_mlp`` each.
+    ``ctx.policy`` says); prefill groups tokens by expert: in fast mode on block-encoded records one
+    native ``kernels.experts_prefill`` call per acquired group, otherwise one gather +
+    ``kernels.expert_mlp`` per expert.
     """
     num_tokens, top_k = indices.shape
     if num_tokens == 1:
@@ -50,15 +52,24 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     token_of = order // top_k
     weight_of = weights.reshape(-1)[order]
     out = torch.zeros_like(x)
+    x32 = out32 = None          # fast mode on encoded records: one native call per group, fp32
     pos = 0
     # A streaming provider may hold fewer experts at once than a long prefill selects; the
     # experts are then taken in groups, in the same order, so the sum is unchanged.
     group = getattr(provider, "max_experts_per_acquire", None) or len(expert_ids)
     for start in range(0, len(expert_ids), group):
-        ids = expert_ids[start:start + group]
+        ids, group_counts = expert_ids[start:start + group], counts[start:start + group]
         experts = provider.acquire(layer_idx, ids)
         try:
-            for e, w, count in zip(ids, experts, counts[start:start + group]):
+            if expert_fn is None and kernels.prefill_native(x, experts, ctx):
+                if out32 is None:
+                    x32, out32 = x.float().contiguous(), torch.zeros(x.shape, dtype=torch.float32)
+                n = sum(group_counts)
+                kernels.experts_prefill(x32, experts, torch.tensor(group_counts, dtype=torch.int32),
+                                        token_of[pos:pos + n], weight_of[pos:pos + n], out32, ctx)
+                pos += n
+                continue
+            for e, w, count in zip(ids, experts, group_counts):
                 rows = token_of[pos:pos + count]
                 xs = x.index_select(0, rows)
                 y = (kernels.expert_mlp(xs, w, ctx) if expert_fn is None else expert_fn(xs, w, e, ctx))
@@ -67,7 +78,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
                 pos += count
         finally:
             provider.release(layer_idx, ids)
-    return out
+    return out if out32 is None else out.add_(out32.to(x.dtype))
 
 
 class SparseMoeBlock(nn.Module):
