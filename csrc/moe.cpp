@@ -191,6 +191,27 @@ struct ActBuf {
     }
 };
 
+// silu(gate) * up of each of n rows of h [n, 2I] (gate then up), prepared for a product in `enc`
+// (quantized for block encodings): acts[i] is row i's activation.
+struct SwiGLU {
+    std::vector<float> values;
+    std::vector<ActBuf> bufs;
+    std::vector<Act> acts;
+    SwiGLU(Pool& pl, const float* h, int n, int inter, int enc)
+        : values(static_cast<size_t>(n) * inter), bufs(n), acts(n) {
+        pl.run(n, [&](int i) {
+            const float* hi = h + static_cast<size_t>(i) * 2 * inter;
+            float* ai = values.data() + static_cast<size_t>(i) * inter;
+            for (int j = 0; j < inter; ++j) {
+                const float g = hi[j];
+                ai[j] = g / (1.f + std::exp(-g)) * hi[inter + j];
+            }
+            bufs[i].prepare(enc, ai, inter);
+            acts[i] = bufs[i].act();
+        });
+    }
+};
+
 static void check_cols(int enc, int cols, const char* what) {
     if (enc < 0 || enc >= ENC_COUNT) throw std::invalid_argument(std::string(what) + ": unknown encoding id");
     if (cols <= 0 || cols % enc_block_values(enc))
@@ -248,19 +269,8 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
     });
 
     // 2. silu(gate) * up, quantized per expert for the down product
-    std::vector<float> act(static_cast<size_t>(num_experts) * inter);
-    std::vector<ActBuf> aq(num_experts);
-    for (int e = 0; e < num_experts; ++e) {
-        const float* he = h.data() + static_cast<size_t>(e) * 2 * inter;
-        float* ae = act.data() + static_cast<size_t>(e) * inter;
-        for (int i = 0; i < inter; ++i) {
-            const float g = he[i];
-            ae[i] = g / (1.f + std::exp(-g)) * he[inter + i];
-        }
-        aq[e].prepare(down_enc, ae, inter);
-    }
-    std::vector<Act> acts(num_experts);
-    for (int e = 0; e < num_experts; ++e) acts[e] = aq[e].act();
+    SwiGLU sw(p, h.data(), num_experts, inter, down_enc);
+    const std::vector<Act>& acts = sw.acts;
 
     // 3. down: every output row sums its experts in order (deterministic)
     const size_t dn_stride = enc_row_bytes(down_enc, inter);
@@ -272,6 +282,24 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
             float acc = 0.f;
             for (int e = 0; e < num_experts; ++e) acc += weights[e] * dot_dn(down[e] + r * dn_stride, acts[e], inter);
             out[r] = acc;
+        }
+    });
+}
+
+// dst[p * rows + r] = row r of expert e times pair p's activations, for every pair p of every expert
+// e (pairs first[e] .. first[e+1]); tasks are blocks of 16 rows of one expert, run against each of
+// that expert's pairs while the rows sit in cache.
+template <class ActOf>
+static void rows_times_pairs(Pool& pl, const std::vector<const uint8_t*>& w, const std::vector<int>& first, int rows,
+                             int cols, size_t stride, DotFn dot, ActOf act_of, float* dst) {
+    const int num_experts = static_cast<int>(w.size());
+    const int step = std::min(rows, 16);
+    const int blocks = (rows + step - 1) / step;
+    pl.run(num_experts * blocks, [&](int task) {
+        const int e = task / blocks, r0 = (task % blocks) * step, r1 = std::min(rows, r0 + step);
+        for (int r = r0; r < r1; ++r) {
+            const uint8_t* row = w[e] + r * stride;
+            for (int p = first[e]; p < first[e + 1]; ++p) dst[static_cast<size_t>(p) * rows + r] = dot(row, act_of(p), cols);
         }
     });
 }
@@ -300,49 +328,19 @@ void moe_prefill(const float* x, int hidden, int inter, const std::vector<const 
     std::vector<Act> act_x(num_tokens);
     for (int t = 0; t < num_tokens; ++t) act_x[t] = ax[t].act();
 
-    // 2. gate_up: a block of one expert's rows against each of its tokens (the rows stay in cache)
-    const size_t gu_stride = enc_row_bytes(gate_up_enc, hidden);
-    const DotFn dot_gu = k.dot[gate_up_enc];
+    // 2. gate_up for every pair: h [pairs, 2I]
     std::vector<float> h(static_cast<size_t>(pairs) * 2 * inter);
-    const int gu_step = std::min(2 * inter, 16);
-    const int gu_blocks = (2 * inter + gu_step - 1) / gu_step;
-    pl.run(num_experts * gu_blocks, [&](int task) {
-        const int e = task / gu_blocks, r0 = (task % gu_blocks) * gu_step, r1 = std::min(2 * inter, r0 + gu_step);
-        for (int r = r0; r < r1; ++r) {
-            const uint8_t* row = gate_up[e] + r * gu_stride;
-            for (int p = first[e]; p < first[e + 1]; ++p)
-                h[static_cast<size_t>(p) * 2 * inter + r] = dot_gu(row, act_x[tokens[p]], hidden);
-        }
-    });
+    rows_times_pairs(pl, gate_up, first, 2 * inter, hidden, enc_row_bytes(gate_up_enc, hidden), k.dot[gate_up_enc],
+                     [&](int p) -> const Act& { return act_x[tokens[p]]; }, h.data());
 
     // 3. silu(gate) * up per pair, quantized for the down product
-    std::vector<float> a(static_cast<size_t>(pairs) * inter);
-    std::vector<ActBuf> aq(pairs);
-    pl.run(pairs, [&](int p) {
-        const float* hp = h.data() + static_cast<size_t>(p) * 2 * inter;
-        float* ap = a.data() + static_cast<size_t>(p) * inter;
-        for (int i = 0; i < inter; ++i) {
-            const float g = hp[i];
-            ap[i] = g / (1.f + std::exp(-g)) * hp[inter + i];
-        }
-        aq[p].prepare(down_enc, ap, inter);
-    });
-    std::vector<Act> act_a(pairs);
-    for (int p = 0; p < pairs; ++p) act_a[p] = aq[p].act();
+    SwiGLU sw(pl, h.data(), pairs, inter, down_enc);
+    const std::vector<Act>& act_a = sw.acts;
 
-    // 4. down per pair: y [pairs, H]
-    const size_t dn_stride = enc_row_bytes(down_enc, inter);
-    const DotFn dot_dn = k.dot[down_enc];
+    // 4. down for every pair: y [pairs, H]
     std::vector<float> y(static_cast<size_t>(pairs) * hidden);
-    const int dn_step = std::min(hidden, 16);
-    const int dn_blocks = (hidden + dn_step - 1) / dn_step;
-    pl.run(num_experts * dn_blocks, [&](int task) {
-        const int e = task / dn_blocks, r0 = (task % dn_blocks) * dn_step, r1 = std::min(hidden, r0 + dn_step);
-        for (int r = r0; r < r1; ++r) {
-            const uint8_t* row = down[e] + r * dn_stride;
-            for (int p = first[e]; p < first[e + 1]; ++p) y[static_cast<size_t>(p) * hidden + r] = dot_dn(row, act_a[p], inter);
-        }
-    });
+    rows_times_pairs(pl, down, first, hidden, inter, enc_row_bytes(down_enc, inter), k.dot[down_enc],
+                     [&](int p) -> const Act& { return act_a[p]; }, y.data());
 
     // 5. out[token] += weight * y, expert by expert in the call's order (as torch's per-expert
     //    index_add: a prefill split into several calls adds in the same order); threads own columns
