@@ -171,9 +171,10 @@ def worker_ours(spec: dict) -> dict:
             return state
         if spec["setting"] == "cached":        # the host cache holds the model: fill it first
             prefill(max(sizes))
+            top_k = model.moe_blocks()[0].top_k
             for layer in rt.store.moe_layers:       # and every record the prompt did not touch
-                for e in range(0, rt.store.layer(layer).num_experts, model.moe_blocks()[0].top_k):
-                    ids = list(range(e, min(e + model.moe_blocks()[0].top_k, rt.store.layer(layer).num_experts)))
+                num = rt.store.layer(layer).num_experts
+                for ids in (list(range(e, min(e + top_k, num))) for e in range(0, num, top_k)):
                     rt.provider.acquire(layer, ids)
                     rt.provider.release(layer, ids)
         for n in sizes:

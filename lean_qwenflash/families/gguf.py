@@ -52,20 +52,13 @@ class Values:
 
 
 @dataclass(frozen=True)
-class Joined:
+class Joined(Permute):
     """One HF matrix stored as several GGUF tensors (``parts``, GGUF suffixes under blk.{L}.):
-    their rows concatenated in ``parts`` order are HF rows[perm(config)] (as Permute); ``rows``
-    gives each part's row count, for writing."""
+    their rows concatenated in ``parts`` order are HF rows[perm(config)] (the Permute it is);
+    ``rows`` gives each part's row count, for writing."""
 
     parts: tuple
-    perm: Callable[[dict], torch.Tensor]
     rows: Callable[[dict], tuple]
-
-    def to_gguf(self, rows, config: dict):
-        return rows[self.perm(config)]
-
-    def to_hf(self, rows, config: dict):
-        return rows[torch.argsort(self.perm(config))]
 
 
 @dataclass(frozen=True)

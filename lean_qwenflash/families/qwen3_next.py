@@ -132,7 +132,7 @@ def _gguf_metadata(config: dict) -> dict:
     return out
 
 
-_QKVZ = Joined(("attn_qkv.weight", "attn_gate.weight"), _qkvz_perm, _qkvz_rows)
+_QKVZ = Joined(perm=_qkvz_perm, parts=("attn_qkv.weight", "attn_gate.weight"), rows=_qkvz_rows)
 
 GGUF = GGUFArch(
     "qwen3next",

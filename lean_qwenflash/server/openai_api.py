@@ -29,6 +29,21 @@ def usage(info: dict) -> dict:
             "completion_tokens_details": {"reasoning_tokens": info["reasoning_tokens"]}}
 
 
+async def _respond(srv, req, request, make_job, id_prefix: str, kind: str, stream, fold, choice):
+    """The body both routes share: submit the job, then stream it (``stream``'s chunks) or collect
+    it whole (``fold`` takes each batch of deltas; ``choice(payload)`` is the answer's one choice)."""
+    job = await _submitted(srv, req, make_job)
+    rid = id_prefix + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    if req.stream:
+        return event_stream(stream(srv, job, request, rid, created, _include_usage(req)))
+    payload = await srv.collect(job, request, fold)
+    if payload is None:
+        return Response(status_code=499)
+    return {"id": rid, "object": kind, "created": created, "model": srv.model_name, "choices": [choice(payload)],
+            "usage": usage(payload)}
+
+
 def register(app: FastAPI, srv: Service) -> None:
     """Add the OpenAI API's routes and /health, /metrics to ``app`` (built around ``srv``)."""
 
@@ -48,36 +63,19 @@ def register(app: FastAPI, srv: Service) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        job = await _submitted(srv, req, srv.chat_job)
-        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        if req.stream:
-            return event_stream(_chat_stream(srv, job, request, rid, created, _include_usage(req)))
         message = ChatMessage()
-        payload = await srv.collect(job, request, lambda deltas: [message.add(d) for d in deltas])
-        if payload is None:
-            return Response(status_code=499)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": srv.model_name,
-                "choices": [{"index": 0, "message": message.to_dict(), "logprobs": None,
-                             "finish_reason": finish_reason(payload["finish_reason"], message)}],
-                "usage": usage(payload)}
+        return await _respond(srv, req, request, srv.chat_job, "chatcmpl-", "chat.completion", _chat_stream,
+                              lambda deltas: [message.add(d) for d in deltas],
+                              lambda payload: {"index": 0, "message": message.to_dict(), "logprobs": None,
+                                               "finish_reason": finish_reason(payload["finish_reason"], message)})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        job = await _submitted(srv, req, srv.completion_job)
-        rid = "cmpl-" + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        if req.stream:
-            return event_stream(_completion_stream(srv, job, request, rid, created, _include_usage(req)))
         pieces = []
-        payload = await srv.collect(job, request, lambda deltas: pieces.extend(d["text"] for d in deltas))
-        if payload is None:
-            return Response(status_code=499)
-        text = "".join(pieces)
-        return {"id": rid, "object": "text_completion", "created": created, "model": srv.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish_reason(payload["finish_reason"])}],
-                "usage": usage(payload)}
+        return await _respond(srv, req, request, srv.completion_job, "cmpl-", "text_completion", _completion_stream,
+                              lambda deltas: pieces.extend(d["text"] for d in deltas),
+                              lambda payload: {"index": 0, "text": "".join(pieces), "logprobs": None,
+                                               "finish_reason": finish_reason(payload["finish_reason"])})
 
 
 async def _submitted(srv: Service, req, make_job) -> Job:

@@ -62,8 +62,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
         experts = provider.acquire(layer_idx, ids)
         try:
             if expert_fn is None and kernels.prefill_native(x, experts, ctx):
-                if out32 is None:
-                    x32, out32 = x.float().contiguous(), torch.zeros(x.shape, dtype=torch.float32)
+                if out32 is None:       # (fp32 compute: the native call adds straight into out)
+                    x32 = x.float().contiguous()
+                    out32 = out if out.dtype == torch.float32 else torch.zeros(x.shape, dtype=torch.float32)
                 n = sum(group_counts)
                 kernels.experts_prefill(x32, experts, torch.tensor(group_counts, dtype=torch.int32),
                                         token_of[pos:pos + n], weight_of[pos:pos + n], out32, ctx)
@@ -78,7 +79,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
                 pos += count
         finally:
             provider.release(layer_idx, ids)
-    return out if out32 is None else out.add_(out32.to(x.dtype))
+    return out if out32 is None or out32 is out else out.add_(out32.to(x.dtype))
 
 
 class SparseMoeBlock(nn.Module):
