@@ -209,11 +209,23 @@ VARIANTS = {
 for _family, _shape in QUANT_SHAPES.items():
     VARIANTS[_family]["quant"] = _shape
 
-# tests/test_gguf.py: the quant shapes, and what llama.cpp's loaders need (Qwen3-Next: equal DeltaNet
-# key and value head sizes). Not in ALL_CASES: test_gguf.py compares these against llama.cpp.
+# tests/test_gguf*.py: the quant shapes, and what llama.cpp's loaders and graphs need (Qwen3-Next /
+# Qwen3.5: equal DeltaNet key and value head sizes; AfMoE: full attention every 4th layer; DeepSeek:
+# one YaRN mscale, V2 greedy routing; GPT-OSS: YaRN's correction range rounded to whole dims, as
+# llama.cpp always does). Not in ALL_CASES: those tests compare these against llama.cpp.
 GGUF_VARIANT = "gguf"
+GGUF_OVERRIDES = {
+    "qwen3_next": dict(linear_value_head_dim=16),
+    "qwen3_5_moe": dict(linear_value_head_dim=16),
+    "afmoe": dict(global_attn_every_n_layers=4),
+    "gpt_oss": dict(rope_parameters=dict(BASE["gpt_oss"]["rope_parameters"], truncate=True)),
+    "deepseek_v3": dict(rope_parameters=dict(BASE["deepseek_v3"]["rope_parameters"], mscale=0.707)),
+    "deepseek_v2": dict(q_lora_rank=24, topk_method="greedy", rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 0.707, "mscale_all_dim": 0.707}),
+}
 for _family, _shape in QUANT_SHAPES.items():
-    VARIANTS[_family][GGUF_VARIANT] = dict(_shape, **({"linear_value_head_dim": 16} if _family == "qwen3_next" else {}))
+    VARIANTS[_family][GGUF_VARIANT] = dict(_shape, **GGUF_OVERRIDES.get(_family, {}))
 
 
 def hf_config(family: str, variant: str = "base"):

@@ -5,11 +5,12 @@ architecture names to families; a family's module (which imports ``models/``) is
 when that family is asked for, and is checked then to declare what its row here says.
 
 ``family_for(config)`` finds a config's family (by ``architectures``, else ``model_type``);
-``family_for_gguf(name)`` a GGUF file's (by ``general.architecture``); ``FAMILIES`` maps family
+``family_for_gguf(name, meta)`` a GGUF file's (by ``general.architecture``; DeepSeek-V2 and V3 share
+"deepseek2" and are told apart by the metadata, ``GGUFArch.accepts``); ``FAMILIES`` maps family
 names to families, in registry order (tests take their family list from here; iterating its names
 imports nothing); ``supported_architectures()`` and ``gguf_architectures()`` list what we read;
-``moe_facts(config)`` is what the store needs (sparse layers, expert sizes), read with the family's
-typed config.
+``gguf_families()`` the families with a GGUF declaration; ``moe_facts(config)`` is what the store
+needs (sparse layers, expert sizes), read with the family's typed config.
 """
 from __future__ import annotations
 
@@ -28,16 +29,20 @@ _REGISTRY: dict[str, tuple[str, tuple, tuple, tuple]] = {
     "mixtral": ("mixtral", ("MixtralForCausalLM",), ("mixtral",), ("llama",)),
     "olmoe": ("olmoe", ("OlmoeForCausalLM",), ("olmoe",), ("olmoe",)),
     "qwen3_5_moe": ("qwen3_5_moe", ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"),
-                    ("qwen3_5_moe", "qwen3_5_moe_text"), ()),
-    "glm4_moe": ("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), ()),
-    "deepseek_v3": ("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
-    "deepseek_v2": ("deepseek_v2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), ()),
-    "gpt_oss": ("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ()),
-    "afmoe": ("afmoe", ("AfmoeForCausalLM",), ("afmoe",), ()),
+                    ("qwen3_5_moe", "qwen3_5_moe_text"), ("qwen35moe",)),
+    "glm4_moe": ("glm4_moe", ("Glm4MoeForCausalLM",), ("glm4_moe",), ("glm4moe",)),
+    # DeepSeek-V2 and V3 are both llama.cpp's "deepseek2" (told apart by expert_gating_func)
+    "deepseek_v3": ("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ("deepseek2",)),
+    "deepseek_v2": ("deepseek_v2", ("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)),
+    "gpt_oss": ("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), ("gpt-oss",)),
+    "afmoe": ("afmoe", ("AfmoeForCausalLM",), ("afmoe",), ("afmoe",)),
 }
 _BY_ARCHITECTURE = {a: name for name, row in _REGISTRY.items() for a in row[1]}
 _BY_MODEL_TYPE = {t: name for name, row in _REGISTRY.items() for t in row[2]}
-_BY_GGUF_ARCH = {g: name for name, row in _REGISTRY.items() for g in row[3]}
+_BY_GGUF_ARCH: dict[str, tuple] = {}     # GGUF architecture -> the families sharing it, in registry order
+for _name, _row in _REGISTRY.items():
+    for _g in _row[3]:
+        _BY_GGUF_ARCH[_g] = _BY_GGUF_ARCH.get(_g, ()) + (_name,)
 _LOADED: dict[str, Family] = {}
 
 
@@ -89,8 +94,14 @@ def supported_architectures() -> list[str]:
 
 
 def gguf_architectures() -> dict[str, str]:
-    """GGUF architecture names we read (``general.architecture``), sorted, each with its family's name."""
-    return {g: _BY_GGUF_ARCH[g] for g in sorted(_BY_GGUF_ARCH)}
+    """GGUF architecture names we read (``general.architecture``), sorted, each with its family's name
+    (names joined by "/" where families share one)."""
+    return {g: "/".join(_BY_GGUF_ARCH[g]) for g in sorted(_BY_GGUF_ARCH)}
+
+
+def gguf_families() -> list[str]:
+    """The families with a GGUF declaration, in registry order."""
+    return [name for name, row in _REGISTRY.items() if row[3]]
 
 
 def family_for(config: dict) -> Family:
@@ -107,12 +118,22 @@ def family_for(config: dict) -> Family:
     raise UnsupportedArchitecture(f"unsupported architecture: {what}; supported: {', '.join(supported_architectures())}")
 
 
-def family_for_gguf(gguf_arch: str) -> Family:
-    """The family of a GGUF ``general.architecture`` name."""
+def family_for_gguf(gguf_arch: str, meta: Callable | None = None) -> Family:
+    """The family of a GGUF ``general.architecture`` name. Where families share the name, the
+    first whose declaration ``accepts`` the file's metadata (``meta(key, default)``, keys without
+    the ``{arch}.`` prefix); without ``meta``, the first."""
     if gguf_arch not in _BY_GGUF_ARCH:
         raise UnsupportedArchitecture(f"GGUF architecture {gguf_arch!r} is not supported; supported: "
                                       f"{', '.join(gguf_architectures())}")
-    return _load(_BY_GGUF_ARCH[gguf_arch])
+    names = _BY_GGUF_ARCH[gguf_arch]
+    if len(names) > 1 and meta is not None:
+        for name in names:
+            family = _load(name)
+            if family.gguf.accepts is None or family.gguf.accepts(meta):
+                return family
+        raise UnsupportedArchitecture(f"GGUF architecture {gguf_arch!r}: the file's metadata matches none of "
+                                      f"{', '.join(names)}")
+    return _load(names[0])
 
 
 def moe_facts(config: dict) -> MoEFacts:
@@ -120,5 +141,5 @@ def moe_facts(config: dict) -> MoEFacts:
 
 
 __all__ = ["FAMILIES", "ARCHITECTURES", "ConfigReader", "ExpertLayout", "Family", "FamilyConfigError", "MoEFacts",
-           "RegistryView", "UnsupportedArchitecture", "family_for", "family_for_gguf", "gguf_architectures",
+           "RegistryView", "UnsupportedArchitecture", "family_for", "family_for_gguf", "gguf_architectures", "gguf_families",
            "moe_facts", "supported_architectures"]

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts, periodic_layer_types
+from lean_qwenflash.families.gguf import ATTENTION, COMMON_KEYS, GATING_SIGMOID, SHARED_EXPERTS, GGUFArch
 
 
 def facts(r: ConfigReader) -> MoEFacts:
@@ -60,5 +61,52 @@ def build(config: dict):
     return model
 
 
+# -- GGUF (llama.cpp's "afmoe") ----------------------------------------------------------------------
+# llama.cpp's afmoe graph fixes what the HF config may vary: three sliding-window layers (with rope)
+# then one full-attention layer (without rope), i.e. global_attn_every_n_layers 4, and the muP input
+# scaling always on. Sandwich norms: attn_norm / post_attention_norm around attention, ffn_norm /
+# post_ffw_norm around the MLP; the output gate's projection is attn_gate, the selection bias
+# exp_probs_b.bias.
+
+_EVERY = 4     # llama.cpp's sliding-window pattern for afmoe
+
+
+def _gguf_config(meta, tensors) -> dict:
+    return {"global_attn_every_n_layers": _EVERY, "mup_enabled": True,
+            "sliding_window": int(meta("attention.sliding_window"))}
+
+
+def _gguf_metadata(config: dict) -> dict:
+    r = FAMILY.reader(config)
+    types = periodic_layer_types(r, "sliding_attention", r.positive("global_attn_every_n_layers", 4))
+    want = ["full_attention" if (i + 1) % _EVERY == 0 else "sliding_attention" for i in range(len(types))]
+    if types != want:
+        raise ValueError(f"afmoe: llama.cpp runs full attention (no rope) on every {_EVERY}th layer and sliding-window "
+                         f"attention elsewhere; this config's layer types are {types}")
+    if not r.get("mup_enabled", bool, False):
+        raise ValueError("afmoe: llama.cpp always scales the embeddings by sqrt(hidden_size) (muP); this config has "
+                         "mup_enabled false")
+    return {"expert_gating_func": GATING_SIGMOID, "expert_weights_norm": True,
+            "expert_weights_scale": r.get("route_scale", float, 1.0),
+            "leading_dense_block_count": r.get("num_dense_layers", int, 1),
+            "expert_shared_count": r.get("num_shared_experts", int, 0),
+            "attention.sliding_window": r.positive("sliding_window")}
+
+
+GGUF = GGUFArch(
+    "afmoe",
+    {**{k: v for k, v in ATTENTION.items() if k not in ("post_attention_layernorm.weight", "mlp.gate.weight")},
+     "post_attention_layernorm.weight": "post_attention_norm.weight",
+     "pre_mlp_layernorm.weight": "ffn_norm.weight",
+     "post_mlp_layernorm.weight": "post_ffw_norm.weight",
+     "self_attn.gate_proj.weight": "attn_gate.weight",
+     "mlp.router.gate.weight": "ffn_gate_inp.weight",
+     "mlp.expert_bias": "exp_probs_b.bias",
+     **SHARED_EXPERTS},
+    config_keys={**COMMON_KEYS, "num_dense_layers": "leading_dense_block_count",
+                 "num_shared_experts": "expert_shared_count", "route_scale": "expert_weights_scale"},
+    extra_config=_gguf_config, extra_metadata=_gguf_metadata)
+
+
 FAMILY = Family(name="afmoe", architectures=("AfmoeForCausalLM",), model_types=("afmoe",),
-                layout=ExpertLayout(), facts_fn=facts, build_fn=build)
+                layout=ExpertLayout(), facts_fn=facts, build_fn=build, gguf=GGUF)

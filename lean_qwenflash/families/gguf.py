@@ -20,7 +20,13 @@ Some tensors are stored differently, not just renamed (llama.cpp's converter cha
   stays byte-exact;
 * value transforms (``Values``): e.g. Qwen3-Next's ``A_log`` is stored as ``-exp(A_log)``. They
   need float data (these are small vectors, always f32 in GGUF files);
-* joined matrices (``Joined``): one HF matrix stored as several GGUF tensors.
+* joined matrices (``Joined``): one HF matrix stored as several GGUF tensors, rows concatenated;
+* split tensors (``Split``): one HF tensor stored as several GGUF tensors by a float transform
+  (DeepSeek's ``kv_b_proj`` as per-head ``attn_k_b`` (transposed) and ``attn_v_b``; GPT-OSS's
+  interleaved gate/up expert biases as two tensors).
+
+Some architectures have older file layouts llama.cpp still reads (DeepSeek's single
+``attn_kv_b``): ``GGUFArch.alternatives`` names them; they are plain renames.
 """
 from __future__ import annotations
 
@@ -52,6 +58,15 @@ class Values:
 
 
 @dataclass(frozen=True)
+class Split(Values):
+    """One HF tensor stored as several GGUF tensors (``parts``, GGUF suffixes under blk.{L}.) by a
+    float transform: ``to_gguf(t, config)`` returns the parts' tensors in ``parts`` order and
+    ``to_hf(tensors, config)`` rebuilds the HF tensor from them."""
+
+    parts: tuple = ()
+
+
+@dataclass(frozen=True)
 class Joined(Permute):
     """One HF matrix stored as several GGUF tensors (``parts``, GGUF suffixes under blk.{L}.):
     their rows concatenated in ``parts`` order are HF rows[perm(config)] (the Permute it is);
@@ -75,16 +90,23 @@ class GGUFArch:
         "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"})
     # HF config key -> GGUF key (without the "{arch}." prefix)
     config_keys: dict = field(default_factory=lambda: dict(COMMON_KEYS))
-    # HF suffix under model.layers.{L}. (or a global HF name) -> Permute, Values or Joined
+    # HF suffix under model.layers.{L}. (or a global HF name) -> Permute, Values, Joined or Split
     transforms: dict = field(default_factory=dict)
+    # HF suffix -> GGUF suffix of an older layout llama.cpp still reads (a plain rename: a file
+    # holding it gets no transform for that tensor), e.g. DeepSeek's single attn_kv_b
+    alternatives: dict = field(default_factory=dict)
     # config keys llama.cpp does not store, with the value its graph implies for this arch
     implied_config: dict = field(default_factory=dict)
     # HF config keys of the expert count / expert width for this family
     num_experts_key: str = "num_experts"
     expert_width_key: str = "moe_intermediate_size"
     # extra config read from / written to GGUF metadata: (meta, tensors) -> dict, config -> dict
+    # (extra_metadata raises ValueError for a config llama.cpp's graph cannot compute)
     extra_config: Optional[Callable] = None
     extra_metadata: Optional[Callable] = None
+    # where families share a GGUF architecture name: whether a file is this family's, from its
+    # metadata (meta(key, default), keys without the "{arch}." prefix)
+    accepts: Optional[Callable] = None
 
 
 # The common per-layer names: HF suffix under model.layers.{L}. -> GGUF suffix under blk.{L}.
@@ -117,6 +139,20 @@ COMMON_KEYS = {
 }
 
 
+# llama.cpp's expert gating functions (``{arch}.expert_gating_func``)
+GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_WEIGHT = 1, 2, 3
+
+# The shared-expert names of the families that have them (HF ``mlp.shared_experts.*``, DeepSeek's
+# spelling; Qwen's ``mlp.shared_expert.*`` is in qwen3_next.py)
+SHARED_EXPERTS = {f"mlp.shared_experts.{p}_proj.weight": f"ffn_{p}_shexp.weight" for p in ("gate", "up", "down")}
+
+
+def rope_partial(config: dict) -> float:
+    """The HF config's partial rotary factor (``rope_parameters`` first), 1.0 when it has none."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    return float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) or 1.0)
+
+
 def head_dim(config: dict) -> int:
     """The attention head size of an HF config: ``head_dim``, else hidden_size / num_attention_heads
     (the rule of ``models.layers.rope.attention_head_dim``)."""
@@ -142,5 +178,5 @@ def plus_one() -> Values:
     return Values(lambda w, c: w + 1.0, lambda w, c: w - 1.0)
 
 
-__all__ = ["ATTENTION", "COMMON_KEYS", "GGUFArch", "Joined", "Permute", "Values", "head_dim", "plus_one",
-           "rope_interleave"]
+__all__ = ["ATTENTION", "COMMON_KEYS", "GATING_SIGMOID", "GATING_SOFTMAX", "GATING_SOFTMAX_WEIGHT", "GGUFArch", "Joined",
+           "Permute", "SHARED_EXPERTS", "Split", "Values", "head_dim", "plus_one", "rope_interleave", "rope_partial"]

@@ -7,6 +7,8 @@ skipped."""
 from __future__ import annotations
 
 from lean_qwenflash.families.base import ConfigReader, ExpertLayout, Family, MoEFacts, dense_prefix_facts
+from lean_qwenflash.families.gguf import (ATTENTION, COMMON_KEYS, GATING_SIGMOID, SHARED_EXPERTS, GGUFArch, head_dim,
+                                          rope_partial)
 
 
 def facts(r: ConfigReader) -> MoEFacts:
@@ -55,5 +57,46 @@ def build(config: dict):
     return CausalLM(r.config, layers, ["full_attention"] * f.num_layers, RMSNorm(hidden, eps), rotary)
 
 
+# -- GGUF (llama.cpp's "glm4moe") --------------------------------------------------------------------
+# The router's correction bias is exp_probs_b.bias; sigmoid gating (expert_gating_func 2). llama.cpp's
+# glm4moe graph has no expert groups: a config with n_group > 1 is refused on export. Files of the
+# released models carry their MTP layer (block_count includes it, nextn_predict_layers says how
+# many): it is skipped, as the HF model skips model.layers.{num_hidden_layers}.
+
+# (HF key, GGUF key) of the MoE settings shared with DeepSeek (deepseek_v3.py reads them too)
+MOE_KEYS = {"first_k_dense_replace": "leading_dense_block_count", "n_shared_experts": "expert_shared_count",
+            "routed_scaling_factor": "expert_weights_scale", "norm_topk_prob": "expert_weights_norm"}
+
+
+def _gguf_config(meta, tensors) -> dict:
+    return {"num_hidden_layers": int(meta("block_count")) - int(meta("nextn_predict_layers", 0) or 0),
+            "attention_bias": "blk.0.attn_q.bias" in tensors, "use_qk_norm": "blk.0.attn_q_norm.weight" in tensors,
+            "n_group": 1, "topk_group": 1}
+
+
+def _gguf_metadata(config: dict) -> dict:
+    r = FAMILY.reader(config)
+    if r.positive("n_group", 1) > 1:
+        raise ValueError(f"glm4moe: llama.cpp's graph has no expert groups; this config has n_group {r.get('n_group')}")
+    partial = rope_partial(config) if (config.get("rope_parameters") or {}).get("partial_rotary_factor") \
+        or config.get("partial_rotary_factor") else 0.5
+    return {"expert_gating_func": GATING_SIGMOID, "rope.dimension_count": int(head_dim(config) * partial),
+            "expert_weights_norm": r.get("norm_topk_prob", bool, True),
+            "expert_weights_scale": r.get("routed_scaling_factor", float, 1.0),
+            "leading_dense_block_count": r.get("first_k_dense_replace", int, 1),
+            "expert_shared_count": r.get("n_shared_experts", int, 1)}
+
+
+GGUF = GGUFArch(
+    "glm4moe",
+    {**{k: v for k, v in ATTENTION.items() if k != "post_attention_layernorm.weight"},
+     "post_attention_layernorm.weight": "post_attention_norm.weight",
+     **{f"self_attn.{p}_proj.bias": f"attn_{p}.bias" for p in "qkv"},
+     "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+     **SHARED_EXPERTS},
+    config_keys={**COMMON_KEYS, **MOE_KEYS}, num_experts_key="n_routed_experts",
+    extra_config=_gguf_config, extra_metadata=_gguf_metadata)
+
+
 FAMILY = Family(name="glm4_moe", architectures=("Glm4MoeForCausalLM",), model_types=("glm4_moe",),
-                layout=ExpertLayout(), facts_fn=facts, build_fn=build)
+                layout=ExpertLayout(), facts_fn=facts, build_fn=build, gguf=GGUF)

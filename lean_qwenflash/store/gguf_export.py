@@ -6,8 +6,15 @@ in ``encoding`` (bf16, f16 or f32), norms and routers in f32 (as llama.cpp's own
 The vocabulary is a stand-in (byte tokens plus numbered pieces, SentencePiece-style) sized to the
 checkpoint's ``vocab_size``, unless the directory has a byte-level BPE ``tokenizer.json`` (then that
 vocabulary, its merges and chat template go in, see :mod:`.gguf_tokenizer`). Tensors the
-declaration marks as transformed (llama's q/k row order, Qwen3-Next's ``A_log``...) are written the
-way llama.cpp's converter writes them.
+declaration marks as transformed (llama's q/k row order, Qwen3-Next's ``A_log``, Qwen3.5's value-head
+order, DeepSeek's split ``kv_b_proj``, GPT-OSS's expert biases...) are written the way llama.cpp's
+converter writes them; ``alternatives=True`` writes a family's older layout instead (DeepSeek's single
+``attn_kv_b``). Rope scaling (YaRN, linear) goes into the ``rope.scaling.*`` keys. A config that
+llama.cpp's graph for the architecture cannot compute (GPT-OSS layer types other than sliding/full
+alternating, AfMoE without muP, GLM expert groups, ...) is refused by the family's declaration,
+naming the key, before anything is written. (llama.cpp always rounds YaRN's correction range to
+whole dims: a GPT-OSS config with ``truncate: false`` exports, but llama.cpp computes its rope as
+``truncate: true`` would, and so does a pack of the file.)
 The file is streamed tensor by tensor, so a checkpoint larger than RAM exports fine.
 """
 from __future__ import annotations
@@ -18,7 +25,7 @@ import numpy as np
 import torch
 
 from .checkpoint import HFCheckpoint
-from .gguf_names import EXPERT_KEYS, Joined, Values, gguf_arch, hf_to_gguf_tensor, transform_for
+from .gguf_names import EXPERT_KEYS, Joined, Split, Values, gguf_arch, hf_to_gguf_tensor, split_layer_name, transform_for
 from .gguf_tokenizer import TokenizerConversionError, gguf_tokenizer_metadata
 
 ENCODINGS = ("bf16", "f16", "f32")
@@ -32,6 +39,11 @@ def _config_value(config: dict, key: str):
 
 def _stored(shape: tuple, encoding: str) -> str:
     return "f32" if len(shape) == 1 else encoding      # vectors (norms) always f32, as llama.cpp's converter
+
+
+# tensors written in f32 whatever the encoding: routers, convolutions, biases (llama.cpp's
+# quantizer leaves every tensor not named *.weight as it is)
+_F32_SUFFIXES = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight", ".bias")
 
 
 def _info(shape: tuple, encoding: str):
@@ -61,6 +73,8 @@ def _add_value(w, key: str, value) -> None:
         w.add_bool(key, value)
     elif isinstance(value, float):
         w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
     elif isinstance(value, (list, tuple)):
         w.add_array(key, list(value))
     else:
@@ -101,9 +115,44 @@ def _add_tokenizer(w, hf_dir: Path, vocab: int) -> None:
     w.add_add_bos_token(False)
 
 
-def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int = 0) -> Path:
+def _metadata(arch, cfg: dict, ckpt, alternatives: bool) -> dict:
+    """The ``{arch}.*`` keys (without the prefix): the config keys of the declaration, the expert
+    keys, rope scaling, then the family's own (which win)."""
+    meta = {}
+    for hf_key, gkey in arch.config_keys.items():
+        value = _config_value(cfg, hf_key)
+        if value is not None:
+            meta[gkey] = value
+    if ckpt.moe_layers():
+        num_experts, top_k, _, inter = ckpt.expert_dims()
+        meta.update(zip(EXPERT_KEYS, (num_experts, top_k, inter)))
+    if cfg.get("head_dim"):
+        meta["attention.value_length"] = int(cfg["head_dim"])
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("yarn", "linear"):
+        meta["rope.scaling.type"] = kind
+        meta["rope.scaling.factor"] = float(rope["factor"])
+        if kind == "yarn":
+            meta["rope.scaling.original_context_length"] = int(rope.get("original_max_position_embeddings")
+                                                               or cfg["max_position_embeddings"])
+            for key, default in (("beta_fast", 32.0), ("beta_slow", 1.0)):
+                if rope.get(key) is not None and float(rope[key]) != default:
+                    meta[f"rope.scaling.yarn_{key}"] = float(rope[key])
+    elif kind != "default":
+        raise ValueError(f"{ckpt.family.name}: rope_type {kind!r} has no GGUF form here")
+    if arch.extra_metadata:
+        meta.update(arch.extra_metadata(dict(cfg, _gguf_alternatives=alternatives)))
+    return meta
+
+
+def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int = 0,
+                alternatives: bool = False) -> Path:
     """Write ``hf_dir`` to ``out_path`` (GGUF v3); returns the path. ``split_max_tensors`` > 0
-    writes llama.cpp-style shards (``NAME-00001-of-0000N.gguf``, ...) instead; returns the first."""
+    writes llama.cpp-style shards (``NAME-00001-of-0000N.gguf``, ...) instead; returns the first.
+    ``alternatives``: write the older layout where the family declares one (DeepSeek's single
+    ``attn_kv_b`` instead of ``attn_k_b`` + ``attn_v_b``). A config llama.cpp's graph for the
+    architecture cannot compute is refused (ValueError naming the key)."""
     import gguf
 
     if encoding not in ENCODINGS:
@@ -111,29 +160,14 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int
     ckpt = HFCheckpoint(hf_dir)
     arch = gguf_arch(ckpt.family.name)
     cfg = ckpt.config
+    meta = _metadata(arch, cfg, ckpt, alternatives)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path if split_max_tensors else out_path.with_name(out_path.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), arch.gguf_arch, split_max_tensors=split_max_tensors)
     w.add_name(Path(hf_dir).name)
-    for hf_key, gkey in arch.config_keys.items():
-        value = _config_value(cfg, hf_key)
-        if value is None:
-            continue
-        full = f"{arch.gguf_arch}.{gkey}"
-        if isinstance(value, float):
-            w.add_float32(full, value)
-        else:
-            w.add_uint32(full, int(value))
-    if ckpt.moe_layers():
-        num_experts, top_k, _, inter = ckpt.expert_dims()
-        for gkey, value in zip(EXPERT_KEYS, (num_experts, top_k, inter)):
-            w.add_uint32(f"{arch.gguf_arch}.{gkey}", value)
-    if cfg.get("head_dim"):
-        w.add_uint32(f"{arch.gguf_arch}.attention.value_length", int(cfg["head_dim"]))
-    if arch.extra_metadata:
-        for key, value in arch.extra_metadata(cfg).items():
-            _add_value(w, f"{arch.gguf_arch}.{key}", value)
+    for key, value in meta.items():
+        _add_value(w, f"{arch.gguf_arch}.{key}", value)
     _add_tokenizer(w, Path(hf_dir), int(cfg["vocab_size"]))
 
     # (name, shape, encoding, callable producing the data), in file order: the header needs every
@@ -141,9 +175,17 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int
     writes = []
     for canon, key in sorted(ckpt.resident_keys.items()):
         name = hf_to_gguf_tensor(arch, canon)
-        enc = "f32" if name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")) \
-            else encoding
         tr = transform_for(arch, canon)
+        split = split_layer_name(canon, "model.layers")
+        if alternatives and split and split[1] in arch.alternatives:     # the older layout: a plain rename
+            name, tr = f"blk.{split[0]}.{arch.alternatives[split[1]]}", None
+        enc = "f32" if name.endswith(_F32_SUFFIXES) else encoding
+        if isinstance(tr, Split):      # one HF tensor -> several GGUF tensors by a float transform
+            metas = tr.to_gguf(torch.empty(tuple(ckpt.shape(key)), device="meta"), cfg)
+            for i, (part, m) in enumerate(zip(name.split("+"), metas)):
+                make = lambda key=key, tr=tr, i=i: tr.to_gguf(ckpt.get(key).float(), cfg)[i]
+                writes.append((part, tuple(m.shape), "f32" if part.endswith(_F32_SUFFIXES) else encoding, make))
+            continue
         if isinstance(tr, Joined):     # one HF matrix -> several GGUF tensors (rows permuted, then split)
             start = 0
             for part, rows in zip(name.split("+"), tr.rows(cfg)):

@@ -23,8 +23,8 @@ from lean_qwenflash.families import family_for_gguf
 from ..quant import ENCODINGS, QuantRows, QuantTensor, get_encoding
 from .checkpoint import ConfigExperts
 from .gguf_io import GGUFError, field_value, gguf_shards, is_gguf, open_gguf  # noqa: F401  (also this module's API)
-from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Values, gguf_to_hf_tensor,
-                         split_layer_name, transform_for)
+from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Split, Values, gguf_to_hf_tensor,
+                         is_alternative, split_layer_name, transform_for)
 
 # GGML type number -> our encoding name
 BY_GGML_TYPE = {e.ggml_type: name for name, e in ENCODINGS.items() if e.ggml_type >= 0}
@@ -56,10 +56,15 @@ class GGUFCheckpoint(ConfigExperts):
                 f"{self.path.name}: GGUF architecture {arch_name!r} is not supported; supported: "
                 f"{', '.join(sorted(BY_GGUF_ARCH))}")
         self.arch = BY_GGUF_ARCH[arch_name]
-        self._family = family_for_gguf(arch_name)      # (its name and HF architecture go in the config)
+        # (its name and HF architecture go in the config; families sharing a GGUF name are told
+        # apart by the metadata)
+        self._family = family_for_gguf(arch_name, self._meta)
+        self.arch = self._family.gguf
         self._expert_tensors = {}       # (layer, role) -> GGUF name
         # canonical HF name -> GGUF name ("a+b" for a matrix stored as several tensors)
         self.resident_keys: dict[str, str] = {}
+        self._transforms = {}           # canonical HF name -> the transform this file's tensors need
+        self.skipped = {}               # what the runtime does not use: prefix -> tensor count
         # Multi-token-prediction layers (after the model's own) are not run by HF's model either.
         blocks = int(self._meta("block_count"))
         num_layers = blocks - int(self._meta("nextn_predict_layers", 0) or 0)
@@ -69,7 +74,9 @@ class GGUFCheckpoint(ConfigExperts):
             if split and split[0] >= blocks:
                 raise GGUFError(f"{self.path.name}: tensor {name!r} is for layer {split[0]}, but "
                                 f"{arch_name}.block_count is {blocks}")
-            if split and split[0] >= num_layers:
+            if split and split[0] >= num_layers:       # a multi-token-prediction (nextn) layer
+                prefix = f"blk.{split[0]}. (multi-token prediction)"
+                self.skipped[prefix] = self.skipped.get(prefix, 0) + 1
                 continue
             role = next((r for r, g in self.arch.expert_tensors.items() if split and g == split[1]), None)
             if role:
@@ -81,10 +88,19 @@ class GGUFCheckpoint(ConfigExperts):
                     unknown.append(name)
                 continue
             tr = transform_for(self.arch, hf)
-            if isinstance(tr, Joined):
+            if is_alternative(self.arch, name):       # an older layout's name: a plain rename
+                if hf in joined:
+                    raise GGUFError(f"{self.path.name}: {name!r} and the newer tensors holding {hf} are both present")
+                self.resident_keys[hf] = name
+                self._transforms[hf] = None
+            elif isinstance(tr, (Joined, Split)):
+                if hf in self.resident_keys:
+                    raise GGUFError(f"{self.path.name}: {name!r} and the older tensor "
+                                    f"{self.resident_keys[hf]!r} holding {hf} are both present")
                 joined.setdefault(hf, {})[split[1]] = name
             else:
                 self.resident_keys[hf] = name
+                self._transforms[hf] = tr
         for hf, parts in joined.items():
             tr = transform_for(self.arch, hf)
             missing = [p for p in tr.parts if p not in parts]
@@ -93,6 +109,7 @@ class GGUFCheckpoint(ConfigExperts):
                 raise GGUFError(f"{self.path.name}: tensor 'blk.{layer}.{missing[0]}' is missing "
                                 f"(it holds part of {hf})")
             self.resident_keys[hf] = "+".join(parts[p] for p in tr.parts)
+            self._transforms[hf] = tr
         self._canon_of = {k: c for c, k in self.resident_keys.items()}
         self._check_layers(num_layers)
         if unknown:
@@ -148,10 +165,23 @@ class GGUFCheckpoint(ConfigExperts):
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": float(cfg.pop("rope_theta", 10000.0))}
         scaling = self._meta("rope.scaling.type", "none")
-        if scaling not in ("none", None):
-            raise GGUFError(f"{self.path.name}: rope scaling {scaling!r} is not supported yet")
+        if scaling in ("yarn", "linear"):
+            rope = cfg["rope_parameters"]
+            rope.update(rope_type=scaling, factor=float(self._meta("rope.scaling.factor")))
+            if scaling == "yarn":
+                # llama.cpp rounds the ends of YaRN's correction range to whole dims (ggml's
+                # rope_yarn_corr_dims: floor / ceil), which is transformers' truncate=True
+                rope.update(original_max_position_embeddings=int(self._meta("rope.scaling.original_context_length")),
+                            beta_fast=float(self._meta("rope.scaling.yarn_beta_fast", 32.0)),
+                            beta_slow=float(self._meta("rope.scaling.yarn_beta_slow", 1.0)), truncate=True)
+                log_mul = self._meta("rope.scaling.yarn_log_multiplier", None)
+                if log_mul:       # DeepSeek's mscale_all_dim, x 0.1 (llama.cpp has one factor for both)
+                    rope.update(mscale=float(log_mul) / 0.1, mscale_all_dim=float(log_mul) / 0.1)
+        elif scaling not in ("none", None):
+            raise GGUFError(f"{self.path.name}: rope scaling {scaling!r} is not supported")
         rope_dims = self._meta("rope.dimension_count", None)
-        if rope_dims and rope_dims != cfg["head_dim"]:
+        # (a partial rotary where heads have one size: not MLA, whose rope dims are their own)
+        if rope_dims and rope_dims != cfg["head_dim"] and "head_dim" in arch.config_keys:
             cfg["rope_parameters"]["partial_rotary_factor"] = rope_dims / cfg["head_dim"]
         if "token_embd.weight" not in self.tensors:
             raise GGUFError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
@@ -209,11 +239,14 @@ class GGUFCheckpoint(ConfigExperts):
         return (sum(s[0] for s in shapes),) + shapes[0][1:]
 
     def _transform(self, key: str):
-        return transform_for(self.arch, self._canon_of[key])
+        return self._transforms.get(self._canon_of[key])
 
     def shape(self, key: str) -> tuple:
-        shape = self._stored_shape(key)
         tr = self._transform(key)
+        if isinstance(tr, Split):
+            parts = [torch.empty(tuple(int(d) for d in reversed(t.shape)), device="meta") for t in self._parts(key)]
+            return tuple(tr.to_hf(parts, self.config).shape)
+        shape = self._stored_shape(key)
         if isinstance(tr, Values):
             shape = tuple(tr.to_hf(torch.empty(shape, device="meta"), self.config).shape)
         return shape
@@ -255,10 +288,12 @@ class GGUFCheckpoint(ConfigExperts):
     def get(self, key: str) -> torch.Tensor:
         """The tensor as floats in HF layout (dequantized exactly when block-quantized)."""
         parts = [self._float_part(t) for t in self._parts(key)]
+        tr = self._transform(key)
+        if isinstance(tr, Split):
+            return tr.to_hf([p.float() for p in parts], self.config).contiguous()
         if len({p.dtype for p in parts}) > 1:
             parts = [p.float() for p in parts]
         data = parts[0] if len(parts) == 1 else torch.cat(parts)
-        tr = self._transform(key)
         if isinstance(tr, Values):
             data = tr.to_hf(data.float(), self.config)
         elif tr is not None:
@@ -269,7 +304,8 @@ class GGUFCheckpoint(ConfigExperts):
         """The encodings of a joined matrix's parts when they differ and are all block encodings we
         have kernels for (it can then be kept as stored, see ``get_rows``), else None."""
         encs = [BY_GGML_TYPE.get(int(t.tensor_type)) for t in self._parts(key)]
-        if len(set(encs)) < 2 or None in encs or any(get_encoding(e).is_float for e in encs):
+        if len(set(encs)) < 2 or None in encs or any(get_encoding(e).is_float for e in encs) \
+                or isinstance(self._transform(key), Split):
             return None
         return encs
 

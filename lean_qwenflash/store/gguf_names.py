@@ -3,8 +3,8 @@ importer (:mod:`.gguf_file`) and exporter (:mod:`.gguf_export`) use.
 
 Each family that llama.cpp runs declares its own GGUF architecture name, tensor-name table,
 transforms and config keys in its file (``FAMILY.gguf``, a ``GGUFArch``:
-``lean_qwenflash/families/{qwen3_moe,olmoe,mixtral,qwen3_next}.py``), written in the vocabulary of
-:mod:`lean_qwenflash.families.gguf` (the transform types ``Permute``/``Values``/``Joined``, the
+``lean_qwenflash/families/*.py``), written in the vocabulary of
+:mod:`lean_qwenflash.families.gguf` (the transform types ``Permute``/``Values``/``Joined``/``Split``, the
 common attention/norm names, the common config keys, the rope-interleave permutation), which this
 module re-exports. The lookups below ask the family registry, which imports a family only when its
 declaration is needed. (The store imports the families, never the other way round.)
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from lean_qwenflash.families import RegistryView, gguf_architectures
-from lean_qwenflash.families.gguf import (ATTENTION, COMMON_KEYS, GGUFArch, Joined, Permute, Values, head_dim,
+from lean_qwenflash.families import RegistryView, gguf_architectures, gguf_families
+from lean_qwenflash.families.gguf import (ATTENTION, COMMON_KEYS, GGUFArch, Joined, Permute, Split, Values, head_dim,
                                           plus_one, rope_interleave)
 
 GLOBAL_TENSORS = {
@@ -32,8 +32,10 @@ EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length"
 
 # family name -> its GGUFArch; GGUF general.architecture -> GGUFArch (names import nothing; a
 # value imports its family's module)
-ARCHS = RegistryView({family: family for family in gguf_architectures().values()}, lambda f: f.gguf)
-BY_GGUF_ARCH = RegistryView(gguf_architectures(), lambda f: f.gguf)
+# (where families share a GGUF name, BY_GGUF_ARCH gives the first's; families.family_for_gguf picks
+# a file's family by its metadata)
+ARCHS = RegistryView({family: family for family in gguf_families()}, lambda f: f.gguf)
+BY_GGUF_ARCH = RegistryView({g: names.split("/")[0] for g, names in gguf_architectures().items()}, lambda f: f.gguf)
 
 
 def gguf_arch(family: str) -> GGUFArch:
@@ -74,10 +76,16 @@ def gguf_to_hf_tensor(arch: GGUFArch, gguf_name: str) -> Optional[str]:
             return hf
     split = split_layer_name(gguf_name, "blk")
     if split:
-        for hf, g in arch.layer_tensors.items():
+        for hf, g in list(arch.layer_tensors.items()) + list(arch.alternatives.items()):
             if g == split[1] or (isinstance(g, tuple) and split[1] in g):
                 return f"model.layers.{split[0]}.{hf}"
     return None
+
+
+def is_alternative(arch: GGUFArch, gguf_name: str) -> bool:
+    """True for a tensor stored under an older layout's name (a plain rename, no transform)."""
+    split = split_layer_name(gguf_name, "blk")
+    return bool(split) and split[1] in arch.alternatives.values()
 
 
 def transform_for(arch: GGUFArch, hf_name: str):
@@ -89,5 +97,5 @@ def transform_for(arch: GGUFArch, hf_name: str):
 
 
 __all__ = ["ARCHS", "ATTENTION", "BY_GGUF_ARCH", "COMMON_KEYS", "EXPERT_KEYS", "GGUFArch", "GLOBAL_TENSORS", "Joined",
-           "Permute", "Values", "gguf_arch", "gguf_to_hf_tensor", "head_dim", "hf_to_gguf_tensor", "plus_one",
-           "rope_interleave", "split_layer_name", "transform_for"]
+           "Permute", "Split", "Values", "gguf_arch", "gguf_to_hf_tensor", "head_dim", "hf_to_gguf_tensor", "is_alternative",
+           "plus_one", "rope_interleave", "split_layer_name", "transform_for"]
