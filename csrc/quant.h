@@ -13,7 +13,13 @@
 namespace lqf {
 
 // Must match Encoding.native_id in lean_qwenflash/quant/.
-enum Enc : int { ENC_F32 = 0, ENC_F16 = 1, ENC_BF16 = 2, ENC_Q8_0 = 3, ENC_Q4_0 = 4, ENC_Q4_K = 5, ENC_Q5_K = 6, ENC_Q6_K = 7, ENC_COUNT = 8 };
+enum Enc : int {
+    ENC_F32 = 0, ENC_F16 = 1, ENC_BF16 = 2, ENC_Q8_0 = 3, ENC_Q4_0 = 4, ENC_Q4_K = 5, ENC_Q5_K = 6, ENC_Q6_K = 7,
+    // the GGUF block types added for imports (layouts and kernels: quant_types.cpp, quant_simd_types.h)
+    ENC_Q4_1 = 8, ENC_Q5_0 = 9, ENC_Q5_1 = 10, ENC_Q2_K = 11, ENC_Q3_K = 12, ENC_IQ4_NL = 13, ENC_IQ4_XS = 14,
+    ENC_MXFP4 = 15, ENC_IQ3_XXS = 16, ENC_IQ3_S = 17, ENC_IQ2_XXS = 18, ENC_IQ2_XS = 19, ENC_IQ2_S = 20,
+    ENC_IQ1_S = 21, ENC_IQ1_M = 22, ENC_COUNT = 23
+};
 
 constexpr int QK = 256;      // K-quant super-block
 constexpr int QA = 32;       // activation block
@@ -59,6 +65,42 @@ void dequantize_row(int enc, const uint8_t* row, int cols, float* out);
 
 float fp16_to_fp32(uint16_t h);
 
+// ---- the added block types (quant_types.cpp) ----
+
+// Exact fp32 rows of the encodings ENC_Q4_1 .. ENC_IQ1_M (dequantize_row's part for them).
+void dequantize_row_types(int enc, const uint8_t* row, int cols, float* out);
+
+// Scalar dot products of the added types, indexed by encoding id (nullptr below ENC_Q4_1).
+extern const DotFn scalar_type_dots[ENC_COUNT];
+
+// MXFP4's 16 element values (e2m1, doubled so they are integers).
+const int8_t* mxfp4_values();
+
+// Lookup tables of the IQ formats. The grids and the 7-bit sign table are ggml's, but not in our
+// source: lean_qwenflash.models.native reads them from the `gguf` package at import and hands
+// them over once through set_iq_table (a copy is kept). The rest is derived from them here.
+struct IqTables {
+    const uint64_t* iq2xxs = nullptr;     // 256 grids of 8 int8 values
+    const uint64_t* iq2xs = nullptr;      // 512
+    const uint64_t* iq2s = nullptr;       // 1024
+    const uint32_t* iq3xxs = nullptr;     // 256 grids of 4 int8 values
+    const uint32_t* iq3s = nullptr;       // 512
+    const uint64_t* iq1s = nullptr;       // 2048 grids of 8 int8 values in {-1, 0, 1}
+    const uint64_t* iq1s_x8 = nullptr;    // the same grids times 8 (derived)
+    const uint8_t* ksigns = nullptr;      // 128 sign bytes (7 sign bits + parity)
+    const uint64_t* ksign_masks = nullptr;// 128: byte k = 0xFF where ksigns' bit k is set (derived)
+    const int8_t* iq4nl = nullptr;        // 16 values of the IQ4_NL / IQ4_XS non-linear grid
+};
+extern IqTables g_iq;
+// 256 masks: byte k = 0xFF where bit k of the index is set (plain sign bytes; no table needed)
+extern const uint64_t g_bit_masks[256];
+
+// Store one table by name: iq2xxs, iq2xs, iq2s (int8 [N, 8]), iq3xxs, iq3s (int8 [N, 4]), iq1s
+// (int8 [2048, 8]), ksigns (uint8 [128]), iq4nl (int8 [16]). Throws on an unknown name or size.
+void set_iq_table(const char* name, const void* data, size_t nbytes);
+// Throws std::runtime_error naming what is missing if `enc` needs tables that are not set.
+void require_tables(int enc);
+
 // Software prefetch of the bytes a loop iteration will read PREFETCH_BYTES from now: decode reads
 // weights once, from DRAM, and the dot products' dependency chains keep the out-of-order window
 // from running far enough ahead on its own (q4_k from DRAM, one thread: 5.2 -> 10.7 GB/s).
@@ -69,6 +111,21 @@ inline void prefetch_ahead(const uint8_t* p, int bytes) {
 
 // Block-field readers shared by the kernels (little-endian, unaligned).
 inline uint16_t load_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+
+inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// MXFP4's shared scale: the e8m0 byte e as 2^(e - 128), half of 2^(e - 127) since the element
+// values are stored doubled; e < 2 gives the float32 subnormals.
+inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? (0x00200000u << e) : (static_cast<uint32_t>(e - 1) << 23);
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
 
 inline float bf16_to_fp32(uint16_t h) {
     const uint32_t bits = static_cast<uint32_t>(h) << 16;

@@ -170,10 +170,17 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     return hsum(acc);
 }
 
+// the added block types (256-bit kernels, compiled here for this ISA)
+#include "quant_simd_types.h"
+
 }  // namespace
 
 const KernelTable& avx2_kernels() {
-    static const KernelTable t = {"avx2", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+    static const KernelTable t = [] {
+        KernelTable k = {"avx2", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+        t_fill(k.dot);
+        return k;
+    }();
     return t;
 }
 

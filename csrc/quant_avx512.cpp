@@ -83,9 +83,11 @@ inline __m256i q4_0_block(const uint8_t* blk) {
     return _mm256_sub_epi8(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4)), _mm256_set1_epi8(8));
 }
 
-// q8_0 and q4_0: blocks of BB bytes, an f16 scale then 32 values; two blocks per 512-bit step,
-// an odd last block with 256-bit ops.
-template <int BB, __m256i (*BLOCK)(const uint8_t*)>
+inline float f16_scale(const uint8_t* blk) { return h2f(blk); }
+
+// q8_0 and q4_0 (and q5_0, iq4_nl, mxfp4): blocks of BB bytes, a scale (SCALE: the f16 at byte 0
+// unless told) then 32 values; two blocks per 512-bit step, an odd last block with 256-bit ops.
+template <int BB, __m256i (*BLOCK)(const uint8_t*), float (*SCALE)(const uint8_t*) = f16_scale>
 float dot_blocks32(const uint8_t* row, const Act& a, int cols) {
     __m512 acc = _mm512_setzero_ps();
     const int nb = cols / 32;
@@ -93,7 +95,7 @@ float dot_blocks32(const uint8_t* row, const Act& a, int cols) {
     for (; b + 2 <= nb; b += 2, row += 2 * BB) {
         prefetch_ahead(row, 2 * BB);
         const __m512i s = dot_s8s8(join(BLOCK(row), BLOCK(row + BB)), loadu(a.q8.q + 32 * b));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(h2f(row) * a.q8.d[b], h2f(row + BB) * a.q8.d[b + 1]), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), halves(SCALE(row) * a.q8.d[b], SCALE(row + BB) * a.q8.d[b + 1]), acc);
     }
     float out = _mm512_reduce_add_ps(acc);
     if (b < nb) {
@@ -102,7 +104,7 @@ float dot_blocks32(const uint8_t* row, const Act& a, int cols) {
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-        out += h2f(row) * a.q8.d[b] * static_cast<float>(_mm_cvtsi128_si32(t));
+        out += SCALE(row) * a.q8.d[b] * static_cast<float>(_mm_cvtsi128_si32(t));
     }
     return out;
 }
@@ -181,10 +183,37 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     return _mm512_reduce_add_ps(acc);
 }
 
+// the added block types (256-bit kernels, compiled here for this ISA)
+#include "quant_simd_types.h"
+
+// ... of which the symmetric 32-value ones run two blocks per 512-bit step (dot_blocks32)
+inline __m256i q5_0_block(const uint8_t* blk) {
+    const __m256i hi = _mm256_and_si256(t_bits32(load_u32(blk + 2)), _mm256_set1_epi8(16));
+    return _mm256_sub_epi8(_mm256_or_si256(t_nibbles(blk + 6), hi), _mm256_set1_epi8(16));
+}
+inline __m256i iq4_nl_block(const uint8_t* blk) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t_load128(g_iq.iq4nl)), t_nibbles(blk + 2));
+}
+inline __m256i mxfp4_block(const uint8_t* blk) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t_load128(mxfp4_values())), t_nibbles(blk + 1));
+}
+inline float e8m0_scale(const uint8_t* blk) { return e8m0_half(blk[0]); }
+
+float dot_q5_0(const uint8_t* row, const Act& a, int cols) { return dot_blocks32<22, q5_0_block>(row, a, cols); }
+float dot_iq4_nl(const uint8_t* row, const Act& a, int cols) { return dot_blocks32<18, iq4_nl_block>(row, a, cols); }
+float dot_mxfp4(const uint8_t* row, const Act& a, int cols) { return dot_blocks32<17, mxfp4_block, e8m0_scale>(row, a, cols); }
+
 }  // namespace
 
 const KernelTable& avx512_kernels() {
-    static const KernelTable t = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+    static const KernelTable t = [] {
+        KernelTable k = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+        t_fill(k.dot);
+        k.dot[ENC_Q5_0] = dot_q5_0;
+        k.dot[ENC_IQ4_NL] = dot_iq4_nl;
+        k.dot[ENC_MXFP4] = dot_mxfp4;
+        return k;
+    }();
     return t;
 }
 

@@ -9,12 +9,12 @@
 namespace lqf {
 
 int enc_block_bytes(int enc) {
-    static const int bytes[ENC_COUNT] = {4, 2, 2, 34, 18, 144, 176, 210};
+    static const int bytes[ENC_COUNT] = {4, 2, 2, 34, 18, 144, 176, 210, 20, 22, 24, 84, 110, 18, 136, 17, 98, 110, 66, 74, 82, 50, 56};
     return bytes[enc];
 }
 
 int enc_block_values(int enc) {
-    static const int values[ENC_COUNT] = {1, 1, 1, 32, 32, 256, 256, 256};
+    static const int values[ENC_COUNT] = {1, 1, 1, 32, 32, 256, 256, 256, 32, 32, 32, 256, 256, 32, 256, 32, 256, 256, 256, 256, 256, 256, 256};
     return values[enc];
 }
 
@@ -151,6 +151,7 @@ void dequantize_row(int enc, const uint8_t* row, int cols, float* out) {
             return;
         }
         default:
+            dequantize_row_types(enc, row, cols, out);
             return;
     }
 }
@@ -242,7 +243,11 @@ static float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
 }
 
 const KernelTable& scalar_kernels() {
-    static const KernelTable t = {"scalar", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+    static const KernelTable t = [] {
+        KernelTable k = {"scalar", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+        for (int e = ENC_Q4_1; e < ENC_COUNT; ++e) k.dot[e] = scalar_type_dots[e];
+        return k;
+    }();
     return t;
 }
 

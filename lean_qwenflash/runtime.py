@@ -17,7 +17,6 @@ from .families import moe_facts
 from .generate.sampling import SamplingParams
 from .loader import build_model
 from .models.policy import ExecPolicy
-from .quant.floats import DTYPE_NAME
 from .store.checkpoint import TORCH_DTYPES
 from .store.reader import ExpertStore
 
@@ -73,14 +72,10 @@ class Runtime:
         store = ExpertStore.open(cfg.model, engine=cfg.io_engine, queue_depth=cfg.io_queue_depth,
                                  verify_checksums=cfg.verify_checksums)
         config = store.config
-        # Float records are used as stored (no per-call conversion), so they must be the compute
-        # dtype; block-quantized records are dequantized to it.
-        expert_dtypes = {DTYPE_NAME[t.encoding] for l in store.manifest.layers for t in l.tensors
-                         if t.encoding in DTYPE_NAME}
+        # Records of the compute dtype are used as stored; float records of another dtype (a GGUF's
+        # f16/bf16 fallback rows at dtype float32) are converted per call, block-encoded ones
+        # dequantized to it (models/kernels.as_float).
         dtype = TORCH_DTYPES[cfg.dtype]
-        if expert_dtypes and expert_dtypes != {cfg.dtype}:
-            raise ConfigError(f"dtype: the pack's experts are {', '.join(sorted(expert_dtypes))} but dtype is "
-                              f"{cfg.dtype}; set dtype to {sorted(expert_dtypes)[0]} (or re-pack with --dtype {cfg.dtype})")
         device = torch.device(cfg.device)
         resident = store.load_resident(device=device, dtype=dtype)
         top_k = moe_facts(config).top_k if store.manifest.layers else 1

@@ -144,7 +144,7 @@ def test_mixed_records_and_summary(packs, checkpoints):
     resident = {t["name"]: t for t in doc["resident"]}
     assert resident["lm_head.weight"]["encoding"] == "q6_k"
     assert resident["model.layers.0.self_attn.q_proj.weight"]["encoding"] == "q4_k"          # rows of 256
-    assert resident["model.layers.0.self_attn.o_proj.weight"]["encoding"] == "f32"           # rows of 64
+    assert resident["model.layers.0.self_attn.o_proj.weight"]["encoding"] == "q5_0"          # rows of 64: q4_k's fallback
     for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.mlp.gate.weight"):
         assert resident[name]["encoding"] == "f32"
     assert any("resident" in n and "o_proj" in n for n in doc["notes"])
@@ -155,10 +155,10 @@ def test_mixed_records_and_summary(packs, checkpoints):
 
 
 def test_rows_a_block_cannot_hold_fall_back_to_float(tmp_path):
-    c = hf_models.case("qwen3_moe")            # hidden 48, expert width 24: not multiples of 256
+    c = hf_models.case("qwen3_moe")            # hidden 48, expert width 24: not multiples of 256 (nor 32)
     m = pack(c.path, tmp_path / "p", quant="q4_k", progress=False)
-    assert {t.encoding for l in m.layers for t in l.tensors} == {"f32"}
-    assert any("not a multiple of q4_k's block of 256; stored as f32" in n for n in m.notes)
+    assert {t.encoding for l in m.layers for t in l.tensors} == {"bf16"}      # the compute dtype, never f32
+    assert any("not a multiple of q4_k's block of 256; stored as bf16" in n for n in m.notes)
     m = pack(c.path, tmp_path / "q", quant="q8_0", progress=False)   # 48 = 32 + 16: still float
     assert any("q8_0" in n for n in m.notes)
     with pytest.raises(ValueError, match="--quant must be one of"):

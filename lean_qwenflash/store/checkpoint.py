@@ -49,6 +49,9 @@ class ConfigExperts:
     _family = None
     skipped: dict = {}                  # what the source holds and the runtime does not use (HF: prefix -> count)
     source_notes: list = []             # what the pack should say about how the source was read
+    # The block encoding a checkpoint's routed experts are stored in (GPT-OSS: "mxfp4"), or None
+    # (float). Such a source also answers expert_encodings(layer) and expert_raw(layer, expert).
+    experts_encoded = None
 
     @property
     def family(self):
@@ -204,8 +207,32 @@ class HFCheckpoint(ConfigExperts):
         if problems:
             raise CheckpointError(f"{self.path}: " + " | ".join(problems))
 
+    @property
+    def experts_encoded(self):
+        return "mxfp4" if self.experts.mxfp4 else None
+
+    def expert_encodings(self, layer_idx: int) -> dict:
+        """The encodings of a layer's experts as stored (block-encoded checkpoints only)."""
+        if not self.experts.mxfp4:
+            raise CheckpointError(f"internal: {self.path} stores float experts; read them with expert()")
+        return {"gate_up": "mxfp4", "down": "mxfp4"}
+
+    def expert_raw(self, layer_idx: int, expert_id: int) -> list:
+        """One MXFP4 expert's (gate_up, down) as mxfp4 block rows (flat uint8 numpy): the checkpoint's
+        codes and scale bytes, rearranged into the block layout (gate rows then up rows); no arithmetic."""
+        q = self.experts.mxfp4
+        out = []
+        for p in ("gate_up", "down"):
+            rows = mxfp4.from_hf(self._slice(q[(layer_idx, p, "blocks")])[expert_id],
+                                 self._slice(q[(layer_idx, p, "scales")])[expert_id])
+            if p == "gate_up" and self.names.gate_up_interleaved:
+                rows = torch.cat((rows[0::2], rows[1::2]), dim=0)
+            out.append(rows.contiguous().reshape(-1).numpy())
+        return out
+
     def expert(self, layer_idx: int, expert_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) of one expert, read from whichever layout is on disk."""
+        """(gate_up [2I, H], down [H, I]) of one expert, read from whichever layout is on disk
+        (MXFP4 experts dequantized to bfloat16, which holds every MXFP4 value exactly)."""
         stacked = self.experts.stacked
         if (layer_idx, "gate_up", "blocks") in self.experts.mxfp4:
             q = self.experts.mxfp4
@@ -228,13 +255,6 @@ class HFCheckpoint(ConfigExperts):
         gate = self.get(k[(layer_idx, expert_id, "gate")])
         up = self.get(k[(layer_idx, expert_id, "up")])
         return torch.cat([gate, up], dim=0), self.get(k[(layer_idx, expert_id, "down")])
-
-    @property
-    def source_notes(self) -> list[str]:
-        if self.experts.mxfp4:
-            return ["experts stored as MXFP4 were dequantized to bfloat16 (exact: every MXFP4 value is a "
-                    "bfloat16 value; the pack format has no mxfp4 encoding yet, so they take 4x the bytes)"]
-        return []
 
     def expert_dtype(self) -> torch.dtype:
         if self.experts.mxfp4:

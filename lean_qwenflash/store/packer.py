@@ -19,8 +19,7 @@ from ..io_engine import crc32c
 from . import format as fmt
 from ..quant import get_encoding
 from ..quant.floats import BY_DTYPE_NAME, DTYPE_NAME
-from ..quant import row_encoding_error
-from ..quant.presets import PRESETS, expert_encodings, resident_encoding, with_fallback
+from ..quant.presets import FLOAT_PRESETS, check_preset, expert_encodings, fallback, resident_encoding, with_fallback
 from .checkpoint import (TORCH_DTYPES, TORCH_NAMES, CheckpointError, HFCheckpoint,
                          StreamingSafetensorsWriter)
 
@@ -53,8 +52,9 @@ def _progress(total_bytes: int, enabled: bool):
 def plan_records(moe_layers, num_experts: int, hidden: int, inter: int, quant, float_encoding: str,
                  stored=None):
     """The record table for ``quant`` (a preset, or None: every projection in ``float_encoding``,
-    or as ``stored(layer_idx)`` says: the encodings a GGUF file already holds):
-    (layers, experts_bytes, notes), where notes name the projections that fell back to float."""
+    or as ``stored(layer_idx)`` says: the encodings the source already holds):
+    (layers, experts_bytes, notes), where notes name the projections that fell back to another
+    encoding (``float_encoding`` where no block type fits) and why."""
     shapes = {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
     layers, offset, first, fallbacks = [], 0, 0, {}
     for i, layer_idx in enumerate(moe_layers):
@@ -117,9 +117,10 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     ``hf_dir`` is a Hugging Face checkpoint directory, or a GGUF file (first shard, or a directory
     of shards). ``dtype`` (float32, float16, bfloat16) converts the routed experts; by default they
     keep the checkpoint's dtype, and a GGUF file's experts and quantized matrices are copied as
-    stored, byte for byte. ``quant`` (a preset of :mod:`lean_qwenflash.quant.presets`: q4_k_m,
-    q4_k, q5_k, q6_k, q8_0, bf16, ...) encodes them instead; projections a block encoding cannot
-    hold stay in the float dtype. ``tokenizer_dir`` takes the tokenizer files from an HF
+    stored, byte for byte, and so are a GPT-OSS checkpoint's MXFP4 experts (as the mxfp4 encoding).
+    ``quant`` (a preset of :mod:`lean_qwenflash.quant.presets`: q4_k_m, q4_k, q3_k_m, iq4_xs,
+    mxfp4, q8_0, bf16, ...) encodes them instead; projections a block encoding cannot hold take
+    the nearest block type that can, else bf16 (or ``dtype``). ``tokenizer_dir`` takes the tokenizer files from an HF
     directory instead of the checkpoint (or the GGUF metadata)."""
     src = Path(hf_dir)
     out_dir = Path(out_dir).resolve()
@@ -131,18 +132,27 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     ckpt.check_experts()
     if dtype is not None and dtype not in TORCH_DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}; got {dtype!r}")
-    if quant is not None and quant not in PRESETS:
-        raise ValueError(f"--quant must be one of {', '.join(PRESETS)}; got {quant!r}")
+    if quant is not None:
+        check_preset(quant)
     expert_dtype = TORCH_DTYPES[dtype] if dtype else ckpt.expert_dtype()
     float_encoding = BY_DTYPE_NAME[TORCH_NAMES[expert_dtype]]
     if quant in DTYPE_NAME and dtype and quant != float_encoding:
         raise ValueError(f"--quant {quant} and --dtype {dtype} disagree; give one of them")
-    # A GGUF source keeps its encodings unless --quant/--dtype asks for a conversion.
+    if quant is not None and quant not in FLOAT_PRESETS and dtype is None and float_encoding == "f32":
+        float_encoding = "bf16"      # rows no block type holds: the default compute dtype, not 4 bytes a value
+    # A GGUF source keeps its encodings unless --quant/--dtype asks for a conversion; so do a
+    # checkpoint's block-encoded experts (GPT-OSS's MXFP4), also under --quant of their own encoding.
     as_stored = ckpt.is_gguf and quant is None and dtype is None
+    encoded = None if ckpt.is_gguf else ckpt.experts_encoded
+    experts_as_stored = as_stored or (encoded is not None and dtype is None and quant in (None, encoded))
 
     num_experts, _, hidden, inter = ckpt.expert_dims()
     layers, offset, notes = plan_records(ckpt.moe_layers(), num_experts, hidden, inter, quant, float_encoding,
-                                         stored=ckpt.expert_encodings if as_stored else None)
+                                         stored=ckpt.expert_encodings if experts_as_stored else None)
+    if encoded is not None:
+        notes.append(f"routed experts stored as {encoded} in the checkpoint: " +
+                     (f"packed byte for byte as the {encoded} encoding" if experts_as_stored else
+                      f"dequantized (exactly) and re-encoded as {quant or float_encoding}"))
     resident = sorted(ckpt.resident_keys.items())
     if as_stored:
         stored_enc, stored_notes = _stored_resident(ckpt)
@@ -156,7 +166,8 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
     tmp.mkdir(parents=True)
     try:
         return _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant, as_stored,
-                           stored_enc if as_stored else None, stored_notes if as_stored else [], bar, tokenizer_dir)
+                           experts_as_stored, stored_enc if as_stored else None, stored_notes if as_stored else [],
+                           float_encoding, bar, tokenizer_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)     # nothing half-written stays behind
         raise
@@ -164,8 +175,8 @@ def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progres
         bar.close()
 
 
-def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant, as_stored, stored_enc,
-                stored_notes, bar, tokenizer_dir) -> fmt.Manifest:
+def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant, as_stored, experts_as_stored,
+                stored_enc, stored_notes, float_encoding, bar, tokenizer_dir) -> fmt.Manifest:
     # Routed experts: one record at a time.
     crcs = []
     with open(tmp / fmt.EXPERTS, "wb") as f:
@@ -174,7 +185,7 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
             view = memoryview(buf)
             encoders = [get_encoding(slot.encoding) for slot in rec.tensors]
             for e in range(rec.num_experts):
-                if as_stored:   # the file's bytes, unchanged
+                if experts_as_stored:   # the file's bytes, unchanged (or only rearranged)
                     parts = ckpt.expert_raw(rec.layer_idx, e)
                 else:
                     parts = [enc.quantize(t).contiguous().view(torch.uint8).reshape(-1).numpy()
@@ -193,7 +204,10 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
 
     # Resident tensors: streamed into one safetensors file under their canonical names; block-encoded
     # matrices are stored as uint8 block rows (the manifest's `resident` says how to read them).
-    resident_enc, resident_fallback = {}, {}
+    # A matrix whose rows its preset's block type cannot hold takes the fallback block type, else
+    # the pack's float encoding (see quant.presets.fallback).
+    resident_enc, resident_fallback, float_dtype = {}, {}, TORCH_DTYPES[DTYPE_NAME[float_encoding]]
+    resident_float = {}                  # canonical name -> dtype a fallen-back matrix is stored in
     for canon, k in resident:
         shape = tuple(ckpt.shape(k))
         if as_stored:
@@ -201,13 +215,16 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
             continue
         enc = resident_encoding(quant, canon) if quant else None
         if enc and len(shape) == 2:
-            why = row_encoding_error(get_encoding(enc), shape[1])
+            got, why = fallback(enc, shape[1], float_encoding)
             if why:
-                resident_fallback.setdefault(why, []).append(canon)
-                enc = None
+                resident_fallback.setdefault(f"{why}; stored as {got}", []).append(canon)
+                if get_encoding(got).is_float:
+                    resident_float[canon] = float_dtype
+                    got = None
+            enc = got
         resident_enc[canon] = enc if len(shape) == 2 else None
     for why, names in resident_fallback.items():
-        notes.append(f"resident {why}; kept float: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
+        notes.append(f"resident {why}: {', '.join(names[:4])}" + (" ..." if len(names) > 4 else ""))
     notes.extend(stored_notes)
     notes.extend(ckpt.source_notes)
     for prefix, count in ckpt.skipped.items():
@@ -223,7 +240,7 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
             entries.append((canon + fmt.ROW_ORDER_SUFFIX, (shape[0],), torch.int64))
         else:
             entries.append((canon, (shape[0], get_encoding(enc).row_bytes(shape[1])), torch.uint8) if enc
-                           else (canon, shape, ckpt.dtype(k)))
+                           else (canon, shape, resident_float.get(canon, ckpt.dtype(k))))
     writer = StreamingSafetensorsWriter(tmp / fmt.RESIDENT, entries)
     resident_meta = []
     dtypes = {name: dt for name, _, dt in entries}
