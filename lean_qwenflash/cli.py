@@ -9,6 +9,15 @@ from .doctor import sizes_line
 from .quant.presets import PRESETS as QUANT_PRESETS
 
 
+def _quant_preset(value: str) -> str:
+    """--quant's check: one of the presets, or an error saying why not (the I-quant lattice types)."""
+    from .quant.presets import check_preset
+    try:
+        return check_preset(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_pack(args) -> int:
     from .store.packer import pack
     m = pack(args.hf_dir, args.out_dir, dtype=args.dtype, force=args.force, progress=not args.quiet,
@@ -28,6 +37,20 @@ def encoding_summary(m) -> str:
     return "encodings:\n" + "\n".join(lines) if lines else "encodings: (no routed experts)"
 
 
+def tensor_table(m) -> str:
+    """Every tensor of a pack with its shape, encoding and bytes: the routed-expert projections of
+    each MoE layer (bytes per record, and for all of the layer's experts), then every resident tensor."""
+    lines = ["tensors:"]
+    for l in m.layers:
+        for t in l.tensors:
+            lines.append(f"  layers.{l.layer_idx}.experts.{t.name:8s} {str(list(t.shape)):14s} {t.encoding:7s} "
+                         f"{format_size(t.nbytes)} x {l.num_experts} = {format_size(t.nbytes * l.num_experts)}")
+    for t in m.resident:
+        enc = t.encoding if not t.parts else "mixed(" + ", ".join(f"{e} x {r} rows" for e, r in t.parts) + ")"
+        lines.append(f"  {t.name} {list(t.shape)} {enc} {format_size(t.nbytes)}")
+    return "\n".join(lines)
+
+
 def cmd_inspect(args) -> int:
     from .store import ExpertStore
     with ExpertStore.open(args.pack, engine=args.io_engine, verify_checksums=not args.no_verify) as store:
@@ -43,6 +66,7 @@ def cmd_inspect(args) -> int:
         if m.resident:
             print("resident:     " + sizes_line(m.resident_encodings()))
         print(encoding_summary(m))
+        print(tensor_table(m))
         for note in m.notes:
             print(f"note:         {note}")
         print(f"I/O engine:   {store.engine.kind if store.engine else '-'}"
@@ -99,8 +123,16 @@ def cmd_generate(args) -> int:
     max_tokens = args.max_tokens or gen_cfg.max_tokens
     if max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {max_tokens}")
-    with Runtime.open(cfg) as rt:
+    choices = None
+    if args.choices is not None:
+        choices = args.choices.split("|")
+        if not all(choices):
+            raise ValueError(f"--choices must be non-empty continuations separated by '|', got {args.choices!r}")
+    from .experts.trace import recording
+    with Runtime.open(cfg) as rt, recording(rt.provider, getattr(args, "trace", None), _stderr_line):
         prompt = _prompt_ids(args, rt)
+        if choices is not None:
+            return _rank_choices(args, rt, cfg, prompt, choices)
         tok = rt.tokenizer
         stop = set(tok.eos_token_ids) if tok else set()
         decoder = tok.incremental_decoder(skip_special_tokens=not args.show_special) if tok else None
@@ -136,6 +168,61 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _rank_choices(args, rt, cfg, prompt: list[int], choices: list[str]) -> int:
+    """generate --choices: each continuation's log-likelihood after the prompt (one prefill), best
+    first; a choice is tokenized as it reads after the prompt's text."""
+    import time
+    from .generate.generator import Generator, continuation_ids
+    tok = rt.tokenizer
+    if tok is None:
+        raise ValueError(f"the pack {rt.store.path} has no tokenizer.json: --choices needs one to tokenize the choices")
+    text = None
+    if args.prompt is not None:
+        text = args.prompt if args.raw or tok.chat_template is None else tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], enable_thinking=args.think)
+    conts = [continuation_ids(tok.encode, prompt, text, c) for c in choices]
+    t0 = time.perf_counter()
+    scores = Generator(rt.model, cfg.generation.prefill_chunk_tokens).score(prompt, conts)
+    seconds = time.perf_counter() - t0
+    print(f"{'rank':>4}  {'total':>9}  {'mean':>9}  {'tokens':>6}  choice")
+    for rank, s in enumerate(sorted(scores, key=lambda s: s.total, reverse=True), 1):
+        print(f"{rank:>4}  {s.total:>9.4f}  {s.mean:>9.4f}  {len(s.tokens):>6}  {choices[s.index]}")
+    if not args.no_stats:
+        print(f"\n{len(prompt)} prompt tokens prefilled once, {len(choices)} choices "
+              f"({sum(len(c) for c in conts)} tokens) scored in {seconds:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _stderr_line(text: str) -> None:
+    print(text, file=sys.stderr)
+
+
+def cmd_replay(args) -> int:
+    from .common import parse_size
+    from .experts.trace import POLICIES, TraceError, read_trace, replay_table
+    trace = read_trace(args.file)
+    sizes = [parse_size(s.strip(), "--cache") for s in args.cache.split(",") if s.strip()]
+    policies = [p.strip().lower() for p in args.policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        raise TraceError(f"--policy: {', '.join(bad) or '(none)'} not among {', '.join(POLICIES)}")
+    gbps, how = args.disk_gbps, "--disk-gbps"
+    if gbps is None and args.model:
+        from .doctor import measure_disk_gbps
+        gbps, how = measure_disk_gbps(args.model, args.probe_seconds), f"the doctor's read probe of {args.model}"
+    h = trace.header
+    print(f"trace: {args.file}: {len(trace.records)} acquires, {len(trace.steps())} forward passes "
+          f"({len(trace.decode_steps())} decode tokens), {len(h['layers'])} MoE layers, top-{h['top_k']} "
+          f"of {h['num_experts']}, records of {format_size(h['slot_bytes'])}"
+          + (" (the last record was cut short and is left out)" if trace.truncated else ""))
+    print(f"disk: {gbps:.2f} GB/s ({how})" if gbps else
+          "disk: not given (--disk-gbps N, or --model PACK to measure its drive): no speed column")
+    print(replay_table(trace, sizes, policies, gbps))
+    print("read/token: bytes read from the store per decode token; tok/s (I/O): disk speed / read per token "
+          "(the bound from I/O alone). opt = Belady, the best any cache could do.")
+    return 0
+
+
 def cmd_chat(args) -> int:
     from .repl import chat_loop
     from .runtime import Runtime, sampling_params
@@ -150,9 +237,10 @@ def cmd_chat(args) -> int:
 def cmd_doctor(args) -> int:
     from .doctor import run_doctor
     model = args.model
-    if model is None and args.config:
-        model = _runtime_config(args).model
-    return run_doctor(model, probe_seconds=args.probe_seconds)
+    cfg = _runtime_config(args) if args.config else None
+    if model is None and cfg is not None:
+        model = cfg.model
+    return run_doctor(model, probe_seconds=args.probe_seconds, cfg=cfg, trace=args.trace)
 
 
 def cmd_stats(args) -> int:
@@ -187,6 +275,17 @@ def cmd_stats(args) -> int:
 def cmd_serve(args) -> int:
     from .server.main import run
     return run(args)
+
+
+def cmd_pull(args) -> int:
+    from .hub import next_steps, pull
+    r = pull(args.ref, out_dir=args.out, quant=args.quant, revision=args.revision, force=args.force,
+             progress=not args.quiet)
+    print(f"pack: {r.pack_dir}")
+    print("next:")
+    for line in next_steps(r.pack_dir):
+        print(f"  {line}")
+    return 0
 
 
 def _add_runtime_args(p) -> None:
@@ -234,13 +333,15 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("out_dir", help="pack directory to create (must not exist unless --force)")
     pk.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                     help="convert routed experts to this dtype (default: keep the checkpoint's)")
-    pk.add_argument("--quant", choices=list(QUANT_PRESETS), metavar="PRESET",
+    pk.add_argument("--quant", type=_quant_preset, metavar="PRESET",
                     help="encode routed experts in GGUF block formats: q4_k_m (q4_k, down q6_k in some layers; "
-                         "about 3.5x fewer bytes than bf16), q5_k_m, q4_k, q5_k, q6_k, q8_0, q4_0, or a float "
-                         "(bf16, f16, f32). The K-quant presets also encode attention, shared-expert and head "
-                         "matrices; embeddings, norms and routers stay float. Rows a block format cannot hold "
-                         "stay in the float dtype (the summary says which). On a GGUF source this re-encodes "
-                         "from the dequantized weights instead of copying the file's blocks.")
+                         "about 3.5x fewer bytes than bf16), q5_k_m, q3_k_m, q2_k, q4_k, q5_k, q6_k, q8_0, q4_0, "
+                         "q4_1, q5_0, q5_1, iq4_nl, iq4_xs, mxfp4, or a float (bf16, f16, f32). The block presets "
+                         "also encode attention, shared-expert and head matrices; embeddings, norms and routers stay "
+                         "float. Rows a block format cannot hold take the nearest 32-value type (q4_k -> q5_0, "
+                         "q6_k -> q8_0, ...), else bf16 (the summary says which). The I-quant lattice types "
+                         "(iq1/iq2/iq3) need an importance matrix: pack a GGUF file llama.cpp made instead. On a "
+                         "GGUF source this re-encodes from the dequantized weights instead of copying the file's blocks.")
     pk.add_argument("--tokenizer", metavar="HF_DIR",
                     help="take tokenizer.json, tokenizer_config.json (chat template) etc. from this Hugging Face "
                          "model directory (for GGUF files whose tokenizer cannot be converted, e.g. SentencePiece)")
@@ -261,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Generate a continuation of one prompt, streaming it to stdout; statistics "
                                      "(tokens/s, expert cache hits, bytes read, stalls) go to stderr. With a "
                                      "chat model the prompt is sent as a user message through the chat template "
-                                     "(--raw sends it as is).")
+                                     "(--raw sends it as is). With --choices it generates nothing: it ranks the "
+                                     "given continuations by log-likelihood after the prompt.")
     gen.add_argument("--prompt", help="prompt text")
     gen.add_argument("--prompt-ids", help="prompt as token ids, e.g. 1,2,3 (for packs without a tokenizer)")
     gen.add_argument("--max-tokens", type=int, help="most tokens to generate (default: config generation.max_tokens)")
@@ -273,6 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--show-special", action="store_true", help="print special tokens")
     gen.add_argument("--per-layer", action="store_true", help="per-layer statistics")
     gen.add_argument("--no-stats", action="store_true", help="do not print statistics")
+    gen.add_argument("--trace", metavar="FILE", help="append the routed expert ids of every layer and token to "
+                     "FILE (a routing trace for `replay` and `doctor --trace`)")
+    gen.add_argument("--choices", metavar="'A|B|C'",
+                     help="rank these continuations of the prompt (separated by |) by total and mean log-likelihood, "
+                          "from one prefill of the prompt, instead of generating")
     _add_runtime_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -298,7 +405,40 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--model", help="pack directory to probe and size caches for")
     doc.add_argument("--config", help="take the pack from this config")
     doc.add_argument("--probe-seconds", type=float, default=2.0)
+    doc.add_argument("--trace", metavar="FILE",
+                     help="a routing trace (generate/serve --trace): suggest host_cache_bytes from it")
     doc.set_defaults(func=cmd_doctor)
+
+    pl = sub.add_parser("pull", help="download a model from the Hugging Face Hub and pack it",
+                        description="Download REPO (a GGUF repository: the file of the quant asked for, every shard "
+                                    "of a split; or a Hugging Face checkpoint: its safetensors, config and tokenizer) "
+                                    "through huggingface_hub (resumable, its cache; HF_TOKEN, HF_ENDPOINT, HF_HOME and "
+                                    "HF_HUB_OFFLINE are honoured), then pack it and print the commands to run it. Free "
+                                    "space is checked against the listing's sizes before anything is downloaded.")
+    pl.add_argument("ref", metavar="REPO[:QUANT_OR_FILE]",
+                    help="e.g. Qwen/Qwen3-30B-A3B-GGUF:Q4_K_M (quant label, case-insensitive), "
+                         "OWNER/NAME:FILE.gguf, or OWNER/NAME (a checkpoint; or a GGUF repo's Q4_K_M / only quant)")
+    pl.add_argument("--quant", type=_quant_preset, metavar="PRESET",
+                    help="encode a Hugging Face checkpoint while packing (as `pack --quant`), e.g. q4_k_m")
+    pl.add_argument("--out", help="pack directory (default ~/.cache/lean-qwenflash/packs/OWNER--NAME--QUANT)")
+    pl.add_argument("--revision", default="main", help="branch, tag or commit (default main)")
+    pl.add_argument("--force", action="store_true", help="pack again even if the pack exists")
+    pl.add_argument("--quiet", action="store_true", help="no progress bars")
+    pl.set_defaults(func=cmd_pull)
+
+    rp = sub.add_parser("replay", help="replay a routing trace against cache sizes and policies",
+                        description="Run a routing trace (recorded with `generate --trace FILE` or `serve --trace "
+                                    "FILE`) through simulated host caches: per size and policy the hit rate, bytes "
+                                    "read per decode token and the decode speed the disk allows. lru is the "
+                                    "runtime's own policy: at the run's host_cache_bytes (prefetch off) it gives "
+                                    "exactly the hits the run counted.")
+    rp.add_argument("file", metavar="FILE", help="trace file")
+    rp.add_argument("--cache", default="1GiB,2GiB,4GiB,8GiB", help="host cache sizes, comma-separated")
+    rp.add_argument("--policy", default="lru,lfu", help="policies, comma-separated: lru, lfu, opt")
+    rp.add_argument("--disk-gbps", type=float, help="disk read speed in GB/s (default: measure --model's drive)")
+    rp.add_argument("--model", help="pack whose drive the doctor's read probe measures")
+    rp.add_argument("--probe-seconds", type=float, default=2.0)
+    rp.set_defaults(func=cmd_replay)
 
     stt = sub.add_parser("stats", help="read statistics from a running server",
                          description="Fetch /metrics from a running `lean-qwenflash serve` and print it readably.")

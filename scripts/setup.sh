@@ -23,6 +23,16 @@ if ! pkg-config --exists liburing 2>/dev/null; then
   fi
 fi
 
+# Headless Chromium renders the dashboard (/ui) in tests/test_ui.py: a test-only Debian package.
+if [ "$TEST_DEPS" = 1 ] && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing chromium with apt (the dashboard test's browser)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: chromium not found and cannot apt-get it (not root?); tests/test_ui.py's browser test will skip"
+  fi
+fi
+
 # torch first: a bare `torch` requirement on a machine without it pulls a multi-GB CUDA build.
 # On a CUDA machine install the torch build you want before running this script.
 if ! $PY -c "import torch" 2>/dev/null; then

@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parents[1] / "lean_qwenflash"
 ROOT = PKG.parent
 
 ALL = {"common", "config", "quant", "io_engine", "store", "experts", "models", "families", "loader", "generate",
-       "chat", "runtime", "server", "cli", "doctor", "repl"}
+       "chat", "runtime", "server", "cli", "doctor", "repl", "hub"}
 
 # area -> the areas of ours its modules may load (themselves and the native extensions always);
 # checked on sys.modules after importing each module alone.
@@ -37,10 +37,11 @@ ALLOWED = {
     "loader": {"common", "quant", "io_engine", "store", "families", "experts", "models"},
     "generate": {"common", "quant", "models", "families", "chat"},
     "chat": set(),
-    "runtime": ALL - {"server", "cli", "doctor", "repl"},
-    "doctor": ALL - {"server", "cli", "repl"},
-    "repl": ALL - {"server", "cli", "doctor"},
-    "server": ALL - {"cli", "repl", "doctor"},
+    "runtime": ALL - {"server", "cli", "doctor", "repl", "hub"},
+    "doctor": ALL - {"server", "cli", "repl", "hub"},
+    "repl": ALL - {"server", "cli", "doctor", "hub"},
+    "server": ALL - {"cli", "repl", "doctor", "hub"},
+    "hub": ALL - {"server", "cli", "repl", "doctor", "runtime"},     # `pull`: the Hub, then the packer
     "cli": ALL,
 }
 

@@ -34,6 +34,9 @@ from .stats import TierStats
 
 
 class TieredExperts(ExpertProvider):
+    # Routing-trace hook (experts/trace.py TraceWriter): called with (layer, ids) on every acquire.
+    observer = None
+
     def __init__(self, store, host_cache_bytes: int, top_k: int, predictors: Optional[dict] = None,
                  device: str | torch.device = "cpu", device_cache_bytes: int = 0, prefetch: bool = True,
                  prefetch_lookahead: int = 1, prefetch_extra: int = 0, max_speculative: Optional[int] = None):
@@ -263,6 +266,8 @@ class TieredExperts(ExpertProvider):
 
     def acquire(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
         expert_ids = [int(e) for e in expert_ids]
+        if self.observer is not None:               # routing trace (experts/trace.py)
+            self.observer(layer_idx, expert_ids)
         self.stats.layers[layer_idx].lookups += len(expert_ids)
         self._reap_speculative()
         if self.dev is not None:

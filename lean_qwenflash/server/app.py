@@ -14,6 +14,7 @@ from typing import Optional
 from fastapi import FastAPI
 
 from lean_qwenflash.server.anthropic import register as register_anthropic
+from lean_qwenflash.server.metrics import register_dashboard
 from lean_qwenflash.server.middleware import Guard, install_error_handlers
 from lean_qwenflash.server.openai_api import register as register_openai
 from lean_qwenflash.server.service import Service
@@ -37,4 +38,5 @@ def create_app(runtime, cfg, model_name: Optional[str] = None) -> FastAPI:
     install_error_handlers(app)
     register_openai(app, service)
     register_anthropic(app, service)
+    register_dashboard(app, service)        # GET /v1/stats (JSON) and the live dashboard at /ui
     return app

@@ -5,6 +5,11 @@ the provider's ``TierStats`` at scrape time.
 """
 from __future__ import annotations
 
+import collections
+import threading
+import time
+from pathlib import Path
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -42,8 +47,30 @@ class _TierCollector:
             yield fam
 
 
+class _Recent:
+    """A Prometheus metric that also keeps its last ``n`` updates with their times (the dashboard's
+    series): ``observe``/``inc`` go to both."""
+
+    def __init__(self, metric, n: int = 512):
+        self.metric = metric
+        self.events: collections.deque = collections.deque(maxlen=n)
+
+    def observe(self, value) -> None:
+        self.metric.observe(value)
+        self.events.append((time.time(), float(value)))
+
+    def inc(self, value=1) -> None:
+        self.metric.inc(value)
+        self.events.append((time.time(), float(value)))
+
+    def __getattr__(self, name):
+        return getattr(self.metric, name)
+
+
 class Metrics:
     def __init__(self, provider=None):
+        self.provider = provider
+        self.started = time.time()
         r = self.registry = CollectorRegistry()
         self.requests = Counter("lqf_requests", "HTTP requests by route and status", ["route", "status"], registry=r)
         self.prompt_tokens = Counter("lqf_prompt_tokens", "Prompt tokens of generations", registry=r)
@@ -71,6 +98,112 @@ class Metrics:
         self.prefix_cache_entries = Gauge("lqf_prefix_cache_entries", "Prefix-cache snapshots", registry=r)
         if provider is not None:
             r.register(_TierCollector(provider))
+        # The dashboard's series: one point per generation (its TTFT; its decode tokens and seconds).
+        self.ttft = _Recent(self.ttft)
+        self.decode_tokens = _Recent(self.decode_tokens)
+        self.decode_seconds = _Recent(self.decode_seconds)
+        self._disk_gbps = None
+        self._disk_probe: threading.Thread | None = None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    # -- the dashboard's JSON (/v1/stats) --------------------------------------------------------
+
+    def disk_gbps(self):
+        """The pack drive's read speed, measured once in the background with the doctor's probe
+        (``io_engine.measure_random_reads``, record-sized reads); None until it is known."""
+        store = getattr(self.provider, "store", None)
+        if store is None or self._disk_probe is not None:
+            return self._disk_gbps
+        path = Path(store.path) / "experts.bin"
+        block = store.max_record_bytes
+
+        def probe():
+            from lean_qwenflash.io_engine import measure_random_reads, open_engine
+            try:
+                eng = open_engine(path, "auto", queue_depth=8)
+                try:
+                    done, dt = measure_random_reads(eng, block, 0.5)
+                finally:
+                    eng.close()
+                self._disk_gbps = done * block / dt / 1e9 if dt > 0 else None
+            except Exception:           # a pack smaller than one read, no O_DIRECT...: no line on the chart
+                self._disk_gbps = None
+
+        self._disk_probe = threading.Thread(target=probe, name="lqf-disk-probe", daemon=True)
+        self._disk_probe.start()
+        return self._disk_gbps
+
+    def snapshot(self, engine=None) -> dict:
+        """Everything the dashboard draws, as plain JSON: counters (the page takes rates from two
+        polls), the recent per-generation series, expert tiers per layer, cache occupancy."""
+        def val(m):
+            return m._value.get()
+
+        out = {
+            "time": time.time(), "uptime_s": time.time() - self.started,
+            "requests": {"active": int(self.running._value.get()), "queued": int(self.queue_depth._value.get()),
+                         "cancelled": val(self.cancelled), "rejected": val(self.rejected)},
+            "tokens": {"prompt": val(self.prompt_tokens), "generated": val(self.generation_tokens),
+                       "prefill_computed": val(self.prefill_computed), "prefill_reused": val(self.prefill_reused),
+                       "prefill_seconds": val(self.prefill_seconds), "decode": val(self.decode_tokens.metric),
+                       "decode_seconds": val(self.decode_seconds.metric)},
+            "series": {
+                "ttft": [[t, v] for t, v in self.ttft.events],
+                # decode_tokens and decode_seconds are counted together, once per generation
+                "decode": [[t, n, s] for (t, n), (_, s) in zip(self.decode_tokens.events, self.decode_seconds.events)],
+            },
+            "prefix_cache": {"entries": int(self.prefix_cache_entries._value.get()),
+                             "bytes": int(self.prefix_cache_bytes._value.get())},
+            "disk_gbps": self.disk_gbps(),
+        }
+        if engine is not None:
+            out["requests"].update(active=engine.active_count, queued=engine.queue_depth)
+            pc = engine.prefix_cache
+            out["prefix_cache"].update(entries=len(pc), bytes=pc.used_bytes, capacity_bytes=pc.capacity_bytes)
+        p = self.provider
+        stats = getattr(p, "stats", None)
+        if stats is not None:
+            snap = stats.snapshot()
+            keep = ("lookups", "hits_device", "hits_host", "misses", "bytes_read", "read_time_s", "stall_time_s",
+                    "hit_rate", "read_gbps", "prefetch_issued", "prefetch_useful")
+            out["experts"] = {"total": {k: snap["total"][k] for k in keep},
+                              "layers": {str(l): {k: c[k] for k in ("lookups", "hits_device", "hits_host", "misses")}
+                                         for l, c in snap["layers"].items()}}
+            tiers = {}
+            for name, cache in (("host", getattr(p, "host", None)), ("device", getattr(p, "dev", None))):
+                if cache is None:
+                    continue
+                tiers[name] = {"slots": cache.num_slots, "used": len(cache.slot_of),
+                               "pinned": sum(1 for n in cache.pins if n), "slot_bytes": p.slot_bytes,
+                               "bytes": cache.num_slots * p.slot_bytes}
+            out["caches"] = tiers
+        return out
+
+
+UI_DIR = Path(__file__).resolve().parent / "ui"
+_UI_FILES = {"": ("index.html", "text/html; charset=utf-8"),
+             "dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+             "dashboard.css": ("dashboard.css", "text/css; charset=utf-8")}
+UI_PATHS = {"/ui", "/ui/"} | {f"/ui/{k}" for k in _UI_FILES if k}
+
+
+def register_dashboard(app, srv) -> None:
+    """``GET /v1/stats`` (the JSON above) and the live dashboard at ``/ui`` (static files of
+    ``server/ui/``, polling /v1/stats)."""
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse, Response
+
+    @app.get("/v1/stats")
+    async def stats():
+        return JSONResponse(srv.metrics.snapshot(srv.engine))
+
+    @app.get("/ui")
+    @app.get("/ui/")
+    @app.get("/ui/{name}")
+    async def ui(name: str = ""):
+        if name not in _UI_FILES:
+            raise HTTPException(404, f"no dashboard file {name!r}")
+        fname, media = _UI_FILES[name]
+        return Response((UI_DIR / fname).read_bytes(), media_type=media, headers={"Cache-Control": "no-cache"})
