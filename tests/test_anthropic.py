@@ -246,7 +246,8 @@ def test_errors_have_anthropic_shape(srv):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}])
     with pytest.raises(anthropic.BadRequestError) as e:
         c.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "disk " * 1500}])
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 1023 maximum", e.value.body["error"]["message"])
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 1023 maximum \(the model's context is 1024 tokens; "
+                        r"the completion needs at least 1 more\)", e.value.body["error"]["message"])
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
         c.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "disk " * 1500}])
 

@@ -347,7 +347,7 @@ def test_concurrent_clients_and_queue_overflow(srv):
     ({"model": MODEL, "messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "messages": USER, "top_p": 1.5}, 400, "top_p"),
     ({"model": MODEL, "messages": USER, "stream": "yes"}, 400, "stream"),
-    ({"model": MODEL, "messages": USER, "n": 2}, 400, "n=2"),
+    ({"model": MODEL, "messages": USER, "n": 17}, 400, "n=17"),
     ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema"}}, 400, "json_schema.schema"),
     ({"model": MODEL, "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": "nope"}}}}, 400, "properties must be an object"),
@@ -365,7 +365,7 @@ def test_concurrent_clients_and_queue_overflow(srv):
         "name": "f", "parameters": {"type": "object", "properties": "notadict"}}}]}, 400, "properties must be an object"),
     ({"model": MODEL, "messages": USER, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "objekt"}}}]}, 400, "parameters.type must be one of"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "disk " * 1500}]}, 400, "context is 1024 tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "disk " * 1500}]}, 400, "maximum context length is 1024"),
 ])
 def test_bad_requests_get_openai_errors(srv, body, status, needle):
     kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
@@ -516,7 +516,8 @@ def test_context_error_uses_the_wording_clients_match_and_the_endpoint_param(srv
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "prompt" and err["code"] == "context_length_exceeded"
-    assert err["message"].startswith("This model's maximum context length is 1024 tokens. However, you requested")
+    assert err["message"].startswith("This model's maximum context length is 1024 tokens. However, your prompt "
+                                     "resulted in ")
     r = httpx.post(srv.url + "/v1/chat/completions",
                    json={"model": MODEL, "messages": [{"role": "user", "content": "disk " * 1500}]}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

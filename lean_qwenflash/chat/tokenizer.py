@@ -35,6 +35,22 @@ def _read_json(path: str) -> dict:
         return json.load(f)
 
 
+def _byte_level_inverse() -> dict[str, int]:
+    """Byte-level BPE's alphabet read back: each byte is written as one printable character (the
+    printable Latin-1 bytes as themselves, the others as U+0100 onwards, in byte order)."""
+    global _BYTE_LEVEL_INVERSE
+    if _BYTE_LEVEL_INVERSE is None:
+        printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+        chars = {b: chr(b) for b in printable}
+        for n, b in enumerate(b for b in range(256) if b not in chars):
+            chars[b] = chr(256 + n)
+        _BYTE_LEVEL_INVERSE = {c: b for b, c in chars.items()}
+    return _BYTE_LEVEL_INVERSE
+
+
+_BYTE_LEVEL_INVERSE = None
+
+
 class Tokenizer:
     """Text ↔ token ids for one model, plus its chat template and stop tokens."""
 
@@ -92,6 +108,43 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for (a byte-level BPE token may hold part of a UTF-8
+        character, which ``decode`` cannot show); an added token's are its text's."""
+        table = self.__dict__.get("_token_bytes")
+        if table is None:
+            table = self._token_bytes = {}
+        found = table.get(token_id)
+        if found is None:
+            found = table[token_id] = self._bytes_of(token_id)
+        return found
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        added = self.backend.get_added_tokens_decoder().get(token_id)
+        if added is not None:
+            return added.content.encode("utf-8")
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level():
+            inverse = _byte_level_inverse()
+            if all(ch in inverse for ch in piece):
+                return bytes(inverse[ch] for ch in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):     # byte fallback
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return self.backend.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def _byte_level(self) -> bool:
+        flag = self.__dict__.get("_is_byte_level")
+        if flag is None:
+            decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+            kinds = [d.get("type") for d in decoder.get("decoders", [decoder])] if isinstance(decoder, dict) else []
+            flag = self._is_byte_level = "ByteLevel" in kinds
+        return flag
 
     @property
     def special_token_ids(self) -> set[int]:

@@ -1,7 +1,7 @@
 """OpenAI request shapes (validated with pydantic; they also make the OpenAPI schema) and errors.
 
 Unknown request fields are ignored (clients send many vendor extensions); fields we cannot honour
-(``n`` > 1, ``logprobs``, images) are refused with a 400 naming them.
+(images, ``suffix``, ``best_of``) are refused with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ REASONING_BUDGETS: dict[str, Optional[int]] = {
 assert tuple(REASONING_BUDGETS) == REASONING_EFFORTS
 ReasoningEffort = Literal[REASONING_EFFORTS]
 MAX_STOP = 16                   # stop strings per request (OpenAI's stop, Anthropic's stop_sequences)
+MAX_N = 16                      # choices per request (each holds its own copy of the prompt's state)
+MAX_TOP_LOGPROBS = 20           # most likely tokens listed per position (OpenAI's chat limit)
+MAX_SCORED = 64                 # continuations per choice-scoring request
 
 
 # Anthropic's error types by status; other statuses are invalid_request_error (4xx) or api_error.
@@ -187,7 +190,6 @@ class _Sampling(Strict):
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
     stop: Union[str, list[str], None] = Field(None)
     n: Optional[int] = Field(None, ge=1)
-    logprobs: Union[bool, int, None] = None
     user: Optional[str] = None
 
 
@@ -202,14 +204,21 @@ class ChatCompletionRequest(_Sampling):
     # budget in tokens, overriding reasoning_effort's; 0 turns thinking off.
     thinking_budget: Optional[int] = Field(None, ge=0)
     response_format: Optional[ResponseFormat] = None
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int]]
+    max_tokens: Optional[int] = Field(None, ge=0)       # 0: with echo, the prompt's logprobs only
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    # Extension (choice mode): rank these continuations of the prompt by log-likelihood instead of
+    # generating; "rank_by" picks the order (total logprob, or mean per token).
+    choices: Optional[list[str]] = Field(None, min_length=1, max_length=MAX_SCORED)
+    rank_by: Optional[Literal["total", "mean"]] = None
 
 
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
@@ -257,16 +266,14 @@ def schema_problem(schema, path: str = "parameters") -> Optional[str]:
 
 def check_unsupported(req: _Sampling) -> None:
     """Refuse what we cannot honour, naming the field."""
-    if req.n not in (None, 1):
-        raise ApiError(400, f"n={req.n} is not supported: this server generates one choice per request", "n")
-    if req.logprobs not in (None, False, 0):
-        raise ApiError(400, "logprobs are not supported by this server", "logprobs")
+    if req.n is not None and req.n > MAX_N:
+        raise ApiError(400, f"n={req.n}: at most {MAX_N} choices per request", "n")
     stops = stop_strings(req)
     if len(stops) > MAX_STOP:
         raise ApiError(400, f"stop: at most {MAX_STOP} stop strings, got {len(stops)}", "stop")
     if isinstance(req, ChatCompletionRequest):
-        if req.top_logprobs:
-            raise ApiError(400, "top_logprobs is not supported by this server", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         fmt = req.response_format
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
@@ -312,8 +319,14 @@ def check_unsupported(req: _Sampling) -> None:
                     raise ApiError(400, f"tool_choice names {req.tool_choice.function.name!r}, which is not among "
                                         f"the tools ({', '.join(names)})", "tool_choice")
     else:
-        if req.echo:
-            raise ApiError(400, "echo is not supported by this server", "echo")
+        if req.max_tokens == 0 and not req.echo and req.choices is None:
+            raise ApiError(400, "max_tokens=0 generates nothing: it needs echo (the prompt's logprobs)", "max_tokens")
+        if req.choices is not None:
+            for key, value in (("n", req.n not in (None, 1)), ("stream", req.stream), ("echo", req.echo)):
+                if value:
+                    raise ApiError(400, f"choices (scoring given continuations) cannot be combined with {key}", key)
+        elif req.rank_by is not None:
+            raise ApiError(400, "rank_by orders the scored choices: it needs choices", "rank_by")
         if req.suffix:
             raise ApiError(400, "suffix is not supported by this server", "suffix")
         if req.best_of not in (None, 1):
