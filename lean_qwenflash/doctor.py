@@ -56,8 +56,37 @@ def _probe_engine(path: Path, kind: str, block: int, seconds: float) -> tuple[Op
     return done * block / dt / 1e9, note
 
 
-def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> int:
-    """Print the report; returns 0 when the machine can stream, 1 when something blocks it."""
+def context_lines(config: dict, cfg, available: int, where: str, caches: int) -> list[str]:
+    """What a token of context costs for the model of ``config`` (its HF config) run as ``cfg``
+    says, and the longest context that fits in ``available`` bytes of ``where`` beside ``caches``
+    bytes of caches (``generate/budget.py`` does the arithmetic, as the server does)."""
+    import torch
+
+    from .families import family_for
+    from .generate.budget import MARGIN_BYTES, ContextBudget, context_cost, kv_storage
+    with torch.device("meta"):
+        model = family_for(config).build(config)
+    kv = kv_storage(getattr(cfg, "kv_cache_dtype", None), cfg.dtype)
+    copies = 2 if cfg.server.prefix_cache_bytes > 0 or cfg.server.snapshot_dir else 0
+    cost = context_cost(model, kv, cfg.generation.prefill_chunk_tokens, copies)
+    budget = ContextBudget(cost, available, caches, MARGIN_BYTES,
+                           int(config.get("max_position_embeddings") or 32768), where)
+    lines = [f"context:       {cost.per_token} bytes per token (KV as {kv}), {format_size(cost.fixed)} per sequence "
+             f"(recurrent state, windows), {format_size(cost.working_per_token)} per token while a "
+             f"{cost.chunk}-token prefill chunk runs",
+             f"               {budget.fit_tokens} tokens fit (the model's context: {budget.model_context}) in "
+             f"{format_size(budget.budget_bytes)} of {where}: {format_size(available)} available less "
+             f"{format_size(caches)} of caches and a {format_size(MARGIN_BYTES)} margin"]
+    if budget.fit_tokens < budget.model_context:
+        lines.append("               the server refuses longer prompts (400); a quantized kv_cache_dtype or smaller "
+                     "caches make room")
+    return lines
+
+
+def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print, cfg=None, trace=None) -> int:
+    """Print the report; returns 0 when the machine can stream, 1 when something blocks it.
+    ``cfg`` (a RuntimeConfig): the caches and numerics the context figures assume (default: the
+    suggested caches, default settings)."""
     from . import io_engine
     problems = 0
     out("lean-qwenflash doctor")
@@ -88,6 +117,7 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
             experts = st.manifest.experts_bytes
             slot = st.max_record_bytes
             top_k = int(st.config.get("num_experts_per_tok", 1))
+            hf_config = st.config
             encodings = {f"experts.{k}": v for k, v in st.manifest.encodings().items()}
             encodings.update(st.manifest.resident_groups())
         target = Path(pack) / "experts.bin"
@@ -176,7 +206,71 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print) -> in
         out(f"  host_cache_bytes: {format_size(host)}       # {host // slot} experts, "
             f"{100 * host / experts:.0f}% of the model's")
         out(f"  device_cache_bytes: {format_size(device)}")
+        from .config import load_config
+        run_cfg = cfg if cfg is not None else load_config(None)
+        on_gpu = run_cfg.device.startswith("cuda") if cfg is not None else bool(vram_free)
+        if on_gpu:
+            caches = run_cfg.device_cache_bytes if cfg is not None else device
+            room, where = vram_free - resident, "VRAM"
+        else:
+            caches = run_cfg.host_cache_bytes if cfg is not None else host
+            room, where = avail - resident, "RAM"
+        caches += run_cfg.server.prefix_cache_bytes
+        try:
+            for line in context_lines(hf_config, run_cfg, max(0, room), where, caches):
+                out(line)
+        except Exception as e:          # an unknown family: the rest of the report still stands
+            out(f"context:       cannot size it for this model ({type(e).__name__}: {e})")
     else:
         out("(pass --model PACK for cache-size suggestions for a model)")
+    if trace is not None:               # --trace: a host cache sized from the user's own routing
+        measured = [g for g in (gbps_u, gbps_p) if g is not None]
+        trace_advice(trace, max(measured) if measured else None, avail, out)
     out("status:        " + ("OK" if problems == 0 else f"{problems} problem(s) above"))
     return 0 if problems == 0 else 1
+
+
+def measure_disk_gbps(pack, seconds: float = 2.0) -> Optional[float]:
+    """The read probe of ``run_doctor`` on a pack's experts.bin: GB/s of record-sized random reads
+    through the engine ``auto`` picks (None when nothing could be read)."""
+    from .store import ExpertStore
+    with ExpertStore.open(pack, verify_checksums=False) as st:
+        block = st.max_record_bytes
+    return _probe_engine(Path(pack) / "experts.bin", "auto", block, seconds)[0]
+
+
+def trace_advice(path, disk_gbps: Optional[float], ram_available: int, out=print) -> None:
+    """`doctor --trace FILE`: replay the trace through the runtime's LRU host cache at the sizes
+    that reach a few hit rates, and suggest the ``host_cache_bytes`` the RAM allows."""
+    from .experts.trace import read_trace, simulate, suggest_cache
+    t = read_trace(path)
+    slot = t.header["slot_bytes"]
+    distinct = len({(l, e) for l, ids in t.records for e in ids})
+    room = max(0, ram_available - 2 * 1024**3)
+    n_dec = len(t.decode_steps())
+    out(f"trace:         {path}: {len(t.records)} acquires, {n_dec} decode tokens, {distinct} distinct experts "
+        f"({format_size(distinct * slot)} to hold them all)")
+    if not t.records:
+        out("               (empty: nothing to size from)")
+        return
+
+    def speed(r) -> str:
+        if not disk_gbps or not r.decode_tokens:
+            return ""
+        per = r.decode_bytes_per_token
+        return ", I/O allows unbounded tok/s" if per == 0 else f", I/O allows {disk_gbps * 1e9 / per:.1f} tok/s"
+
+    for target in (0.5, 0.8, 0.9, 0.95, 0.99):
+        size, r = suggest_cache(t, target)
+        out(f"               {100 * target:.0f}% hits: host_cache_bytes {format_size(size)} "
+            f"(replayed {100 * r.hit_rate:.1f}%, {format_size(int(r.decode_bytes_per_token))} per token{speed(r)})")
+    whole = distinct * slot
+    if whole <= room:
+        size = whole
+        why = "every expert this traffic used fits in RAM"
+    else:
+        size = max(t.header["top_k"], room // slot) * slot
+        why = f"the most the available RAM allows ({format_size(room)} after a 2 GiB margin)"
+    r = simulate(t, size // slot, "lru")
+    out(f"  host_cache_bytes: {format_size(size)}       # from the trace: {why}; replayed hit rate "
+        f"{100 * r.hit_rate:.1f}%{speed(r)}")

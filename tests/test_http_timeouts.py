@@ -31,6 +31,7 @@ def timed(tiny_runtime):  # noqa: F811
     cfg = copy.deepcopy(cfg)
     cfg.server.header_timeout_s = HEAD_S
     cfg.server.body_timeout_s = BODY_S
+    cfg.server.max_connections_per_client = 1000     # (the per-client cap: tests/test_hardening.py)
     cfg.validate()
     s = ServerThread(create_app(rt, cfg, model_name=MODEL), cfg)
     yield s

@@ -25,6 +25,17 @@ the middleware could only time its ``receive()`` calls and ask uvicorn to close 
 is only read as fast as the application consumes it past uvicorn's 64 KiB buffer; ``Guard``
 consumes it at once, so the deadline measures the client.)
 
+Connections are also bounded in number, so that a flood of them cannot use up the process's file
+descriptors (then ``accept`` fails and nobody, ``/health`` included, gets in until some close):
+``main.run`` raises the soft ``RLIMIT_NOFILE`` to the hard limit at start; one client address may
+hold ``server.max_connections_per_client`` connections and the process ``capacity`` (the descriptor
+limit less those already open and a reserve). A connection past either limit does not wait: the
+oldest connection of that client (or, past the capacity, of anyone) that is only waiting for a
+request head — stalled, or idle between keep-alive requests — gets ``503`` and is closed to make
+room, and when every one of them has a request in progress the new connection gets the ``503``.
+A client thus loses its own stalled sockets first, and a request is answered at once, never left
+unaccepted.
+
 ``limit_concurrency`` is deliberately not set: uvicorn counts open *connections* against it and
 answers 503 to requests arriving while over the limit, so stalled connections would turn every
 legitimate request (``/health`` included) into a 503 instead of being kept out. What bounds the
@@ -36,6 +47,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import resource
 from typing import Optional
 
 import h11
@@ -46,6 +59,49 @@ from lean_qwenflash.server.protocol import ApiError
 log = logging.getLogger("lean_qwenflash.server")
 
 _GRACEFUL_SHUTDOWN_S = 5
+FD_RESERVE = 32             # descriptors kept free beside the connections (files, snapshots, accept)
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft ``RLIMIT_NOFILE`` to the hard limit (capped by ``fs.nr_open``); returns the
+    (old, new) soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            want = int(open("/proc/sys/fs/nr_open").read())
+        except (OSError, ValueError):
+            want = 1 << 20
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            log.warning("could not raise the open-files limit from %d to %d: %s", soft, want, e)
+            return soft, soft
+        return soft, want
+    return soft, soft
+
+
+def _soft_nofile() -> int:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+def accept_backlog() -> int:
+    """The listen backlog: asyncio accepts up to this many connections in one go before any of
+    them is seen by the protocol (which counts and limits them), so it is kept to a fraction of
+    the descriptor limit (2048, uvicorn's default, when descriptors are plenty)."""
+    return max(16, min(2048, _soft_nofile() // 8))
+
+
+def connection_capacity() -> int:
+    """Connections this process holds at most: the soft descriptor limit less the descriptors open
+    now, ``FD_RESERVE`` and two accept bursts (accepted, not yet counted; closed, not yet released)."""
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        open_now = 64
+    return max(16, _soft_nofile() - open_now - FD_RESERVE - 2 * accept_backlog())
 
 
 class TimedH11Protocol(H11Protocol):
@@ -56,6 +112,11 @@ class TimedH11Protocol(H11Protocol):
 
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
+    max_per_client: int = 64
+    capacity: int = 1 << 20
+    _by_client: dict = {}               # client address -> its open connections, oldest first
+    _all: dict = {}                     # every open connection, oldest first (a dict as an ordered set)
+    _warned: dict = {}                  # reason -> (when last logged, lines suppressed since)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -102,21 +163,23 @@ class TimedH11Protocol(H11Protocol):
                  prefix, what, limit, key)
         cycle = self.cycle if what == "body" else None
         if cycle is None or not cycle.response_started:
-            self._send_408(f"the request {what} did not arrive within {limit:g} s ({key})")
+            self._send_error(408, b"Request Timeout", f"the request {what} did not arrive within {limit:g} s ({key})",
+                             "request_timeout", "invalid_request_error")
         if cycle is not None:
             # The application (waiting in receive()) sees the client as gone; later sends are dropped.
             cycle.disconnected = True
             cycle.message_event.set()
         self.transport.close()
 
-    def _send_408(self, message: str) -> None:
-        body = json.dumps(ApiError(408, message, code="request_timeout", type="invalid_request_error").body())
+    def _send_error(self, status: int, reason: bytes, message: str, code: str, type: str,
+                    retry_after: Optional[int] = None) -> None:
+        body = json.dumps(ApiError(status, message, code=code, type=type).body())
         body = body.encode()
         headers = self.server_state.default_headers + [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close")]
+            (b"connection", b"close")] + ([(b"retry-after", str(retry_after).encode())] if retry_after else [])
         try:
-            out = self.conn.send(h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"))
+            out = self.conn.send(h11.Response(status_code=status, headers=headers, reason=reason))
             out += self.conn.send(h11.Data(data=body))
             out += self.conn.send(h11.EndOfMessage())
         except h11.LocalProtocolError:      # h11 cannot answer in this state (e.g. mid-response)
@@ -125,9 +188,67 @@ class TimedH11Protocol(H11Protocol):
 
     # -- uvicorn's hooks ------------------------------------------------------------------------
 
+    # -- how many connections -------------------------------------------------------------------
+
+    @property
+    def _idle(self) -> bool:
+        """Only waiting for a request head (stalled, or idle between keep-alive requests)."""
+        return self._waiting_for == "head" and not self.transport.is_closing()
+
+    def _refuse(self, why: str) -> None:
+        """Answer 503 (no response has started on a connection waiting for a head) and close."""
+        # One warning per reason every 10 s (a flood must not flood the log too), the rest at debug.
+        now = self.loop.time()
+        last, quiet = self._warned.get(why, (-1e9, 0))
+        prefix = "%s:%d - " % self.client if self.client else ""
+        if now - last >= 10:
+            log.warning("%sclosing a connection with 503: %s%s", prefix, why,
+                        f" ({quiet} more since the last such line)" if quiet else "")
+            self._warned[why] = (now, 0)
+        else:
+            log.debug("%sclosing a connection with 503: %s", prefix, why)
+            self._warned[why] = (last, quiet + 1)
+        self._disarm()
+        self._send_error(503, b"Service Unavailable", f"too many connections: {why}; retry shortly",
+                         "too_many_connections", "server_error", retry_after=1)
+        self.transport.close()
+
+    def _make_room(self, pool, why: str) -> bool:
+        """Close the oldest idle connection in ``pool`` other than this one; False if none is idle."""
+        for other in pool:
+            if other is not self and other._idle:
+                other._refuse(why)
+                other._forget()
+                return True
+        return False
+
+    def _forget(self) -> None:
+        self._all.pop(self, None)
+        host = self.client[0] if self.client else None
+        mine = self._by_client.get(host)
+        if mine is not None:
+            mine.pop(self, None)
+            if not mine:
+                del self._by_client[host]
+
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._arm("head", self.header_timeout_s)
+        host = self.client[0] if self.client else None
+        mine = self._by_client.setdefault(host, {})
+        mine[self] = None
+        self._all[self] = None
+        if len(mine) > self.max_per_client:
+            why = f"{host} holds more than server.max_connections_per_client={self.max_per_client}"
+            if not self._make_room(mine, why):
+                self._refuse(why)
+                self._forget()
+                return
+        if len(self._all) > self.capacity:
+            why = f"the server holds its capacity of {self.capacity} connections (the open-files limit)"
+            if not self._make_room(self._all, why):
+                self._refuse(why)
+                self._forget()
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -142,14 +263,19 @@ class TimedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm()
+        self._forget()
         super().connection_lost(exc)
 
 
-def timed_protocol(header_timeout_s: float, body_timeout_s: float) -> type:
-    """A ``TimedH11Protocol`` subclass with these deadlines (uvicorn makes one instance per
-    connection from the class it is given, so the limits travel as class attributes)."""
+def timed_protocol(header_timeout_s: float, body_timeout_s: float, max_per_client: int = 64,
+                   capacity: int = 1 << 20) -> type:
+    """A ``TimedH11Protocol`` subclass with these deadlines and connection limits (uvicorn makes one
+    instance per connection from the class it is given, so the limits and the per-server
+    connection tables travel as class attributes)."""
     return type("TimedH11Protocol", (TimedH11Protocol,),
-                {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s)})
+                {"header_timeout_s": float(header_timeout_s), "body_timeout_s": float(body_timeout_s),
+                 "max_per_client": int(max_per_client), "capacity": int(capacity), "_by_client": {}, "_all": {},
+                 "_warned": {}})
 
 
 def uvicorn_config(app, cfg, log_level: str = "info", host: Optional[str] = None, port: Optional[int] = None):
@@ -159,5 +285,7 @@ def uvicorn_config(app, cfg, log_level: str = "info", host: Optional[str] = None
 
     s = cfg.server
     return uvicorn.Config(app, host=s.host if host is None else host, port=s.port if port is None else port,
-                          log_level=log_level, http=timed_protocol(s.header_timeout_s, s.body_timeout_s),
+                          log_level=log_level, http=timed_protocol(s.header_timeout_s, s.body_timeout_s,
+                                                                   s.max_connections_per_client, connection_capacity()),
+                          backlog=accept_backlog(),
                           timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S)

@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to bind (overrides server.host; default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (overrides server.port; default 8000)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--trace", metavar="FILE", help="append every request's routed expert ids to FILE "
+                   "(a routing trace for `lean-qwenflash replay` and `doctor --trace`)")
 
 
 def run(args) -> int:
@@ -49,17 +51,35 @@ def run(args) -> int:
 
     from lean_qwenflash.runtime import Runtime
     from lean_qwenflash.server.app import create_app
-    from lean_qwenflash.server.http import uvicorn_config
+    from lean_qwenflash.server.http import raise_open_files_limit, uvicorn_config
 
     cfg = serve_config(args.config, args.host, args.port, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    old, new = raise_open_files_limit()
+    log = logging.getLogger("lean_qwenflash.server")
+    if new > old:
+        log.info("open-files limit (RLIMIT_NOFILE) raised from %d to %d (the hard limit)", old, new)
+    else:
+        log.info("open-files limit (RLIMIT_NOFILE): %d (already the hard limit)", old)
     named = cfg.model is not None
-    with Runtime.open(cfg) as rt:
+    from lean_qwenflash.experts.trace import recording
+    with Runtime.open(cfg) as rt, recording(rt.provider, getattr(args, "trace", None),
+                                            lambda line: print(line, file=sys.stderr)):
         name = cfg.server.model_name or (Path(cfg.model).name if named else "default")
         app = create_app(rt, cfg, model_name=name)
         print(f"lean-qwenflash: serving {name!r} ({rt.store.path}) on http://{cfg.server.host}:{cfg.server.port}/v1"
               + (" (API key required)" if cfg.server.api_key else ""), file=sys.stderr)
-        server = uvicorn.Server(uvicorn_config(app, cfg, args.log_level))
+        engine = app.state.server.engine
+        if engine.budget is not None:
+            print(f"lean-qwenflash: context: {engine.budget.describe()}", file=sys.stderr)
+        uv = uvicorn_config(app, cfg, args.log_level)
+        print(f"lean-qwenflash: connections: at most {uv.http.capacity} open (open-files limit {new}), "
+              f"{uv.http.max_per_client} per client address", file=sys.stderr)
+        disk = engine.prefix_cache.disk
+        if disk is not None:
+            print(f"lean-qwenflash: snapshots: {len(disk)} on disk in {disk.path} "
+                  f"({disk.used_bytes} of {disk.capacity_bytes} bytes)", file=sys.stderr)
+        server = uvicorn.Server(uv)
         try:
             server.run()
         except KeyboardInterrupt:           # uvicorn re-raises the Ctrl-C it shut down for (as uvicorn.run)

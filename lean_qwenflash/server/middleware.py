@@ -1,12 +1,14 @@
 """What stands before and around every route: the API key, the request-size limit, request
-counting (``Guard``) and the error answers (``install_error_handlers``), in OpenAI's error shape,
-or Anthropic's on its routes (``ApiError.body_for``).
+counting (``Guard``), noticing a client that leaves (``DisconnectWatch``) and the error answers
+(``install_error_handlers``), in OpenAI's error shape, or Anthropic's on its routes
+(``ApiError.body_for``).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +20,8 @@ from lean_qwenflash.server.protocol import ApiError, error_param
 
 log = logging.getLogger("lean_qwenflash.server")
 
-OPEN_PATHS = {"/health"}        # answered without an API key (liveness probes)
+# answered without an API key: liveness probes, and the dashboard's static files (its data, /v1/stats, needs the key)
+OPEN_PATHS = {"/health", "/ui", "/ui/", "/ui/dashboard.js", "/ui/dashboard.css"}
 # routes counted by name in the request metric (any other path is "other")
 COUNTED_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
                   "/v1/models", "/health", "/metrics")
@@ -36,6 +39,68 @@ def key_matches(headers: dict, api_key: str) -> bool:
     given = [auth[7:].strip() if auth[:7].lower() == "bearer " else "",
              headers.get(b"x-api-key", b"").decode("latin-1").strip()]
     return any(hmac.compare_digest(g.encode(), api_key.encode()) for g in given if g)
+
+
+DISCONNECT_WATCH = "lqf.disconnect_watch"      # the scope key of a request's DisconnectWatch
+
+
+class DisconnectWatch:
+    """Notices the moment a request's client goes away, and tells whoever asked.
+
+    Once ``Guard`` has read the body, this is the only reader of the server's ``receive``: a task
+    waits on it (uvicorn answers ``http.disconnect`` as soon as the connection is lost, or when the
+    response is complete) and then runs the callbacks given to ``on_disconnect`` (``job.cancel``:
+    a waiting job leaves the engine's queue before it starts). The application's own ``receive``
+    calls after the body wait for the same moment.
+    """
+
+    def __init__(self, receive):
+        self._receive = receive
+        self._callbacks: list[Callable[[], None]] = []
+        self._task: Optional[asyncio.Task] = None
+        self.gone = asyncio.Event()
+
+    def _start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                break
+        self.gone.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("a disconnect callback failed")
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when the client leaves (now, if it has)."""
+        if self.gone.is_set():
+            callback()
+        elif callback not in self._callbacks:
+            self._callbacks.append(callback)
+            self._start()
+
+    async def receive(self) -> dict:
+        self._start()
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+    def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+def watch_disconnect(request, callback: Callable[[], None]) -> None:
+    """Call ``callback()`` the moment ``request``'s client leaves (a request that did not pass
+    through ``Guard`` has no watch: nothing happens, the caller's own checks remain)."""
+    watch = request.scope.get(DISCONNECT_WATCH)
+    if watch is not None:
+        watch.on_disconnect(callback)
 
 
 class Guard:
@@ -87,13 +152,14 @@ class Guard:
                     if not message.get("more_body"):
                         break
             replayed = not chunks
+            watch = scope[DISCONNECT_WATCH] = DisconnectWatch(receive)
 
             async def replay():
                 nonlocal replayed
                 if not replayed:
                     replayed = True
                     return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-                return await receive()
+                return await watch.receive()
 
             try:
                 await self.app(scope, replay, counting_send)
@@ -105,6 +171,8 @@ class Guard:
                 log.exception("request failed")
                 err = ApiError(500, "internal server error (see the server log)", code="internal_error")
                 await error_response(err, path)(scope, receive, counting_send)
+            finally:
+                watch.stop()
         finally:
             self.metrics.requests.labels(route, str(status_seen.get("status", 499))).inc()
 

@@ -1,0 +1,183 @@
+"""What a context costs in memory, and how long a context fits: ``doctor``, the server's startup
+line and its limit (a prompt past what fits is a 400, and the engine admits jobs by it).
+
+``context_cost(model, kv_dtype)`` walks a built model's layers (the meta device will do: no
+weights needed) and adds up what their states hold (``generate/state.py``): per token of context
+(full-attention K and V, latent attention's latent + rope key) and per sequence (DeltaNet's conv and
+recurrent state, sliding-window rings). ``ContextCost.peak_bytes(n)`` is the most a sequence of n
+tokens holds at once, ``ContextBudget`` the longest context that fits beside the configured caches
+in the memory ``available_memory()`` reports.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Optional
+
+from lean_qwenflash.common import format_size
+
+# Bytes per stored element of a KV cache by its dtype (block encodings: GGUF's 32-value blocks).
+KV_ELEMENT_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "f16": 2.0, "bf16": 2.0,
+                    "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def kv_storage(kv_cache_dtype: Optional[str], compute_dtype: str) -> str:
+    """What a cache's elements are stored as: config ``kv_cache_dtype`` ("f32", the default, keeps
+    them as computed, i.e. in the compute ``dtype``)."""
+    return compute_dtype if kv_cache_dtype in (None, "f32") else kv_cache_dtype
+
+
+class ContextCost:
+    """What a sequence's state costs in memory, from the model's layers (``context_cost``).
+
+    ``per_token``: bytes each token of context adds (full-attention K+V, latent attention's latent +
+    rope key); ``fixed``: bytes a sequence holds whatever its length (DeltaNet conv + recurrent
+    state, sliding-window rings); ``working_per_token``: transient bytes per token of context while
+    a prefill chunk runs (one layer at a time: fp32 attention scores for the chunk's queries, the
+    latent layers' concatenated keys); ``chunk``: the prefill chunk that assumes; ``copies``: whole
+    copies of the state a generation holds beside it (with a prefix cache, the generator keeps a
+    block-boundary snapshot and makes the next before dropping the last: 2).
+    """
+
+    def __init__(self, per_token: int, fixed: int, working_per_token: int, chunk: int, kv_dtype: str,
+                 copies: int = 0):
+        self.per_token, self.fixed, self.working_per_token = per_token, fixed, working_per_token
+        self.chunk, self.kv_dtype, self.copies = chunk, kv_dtype, copies
+
+    def __repr__(self) -> str:
+        return (f"ContextCost(per_token={self.per_token}, fixed={self.fixed}, "
+                f"working_per_token={self.working_per_token}, chunk={self.chunk}, kv_dtype={self.kv_dtype!r}, "
+                f"copies={self.copies})")
+
+    def peak_bytes(self, tokens: int) -> int:
+        """The most a sequence of ``tokens`` tokens holds at once while it is prefilled and decoded:
+        the KV cache grows by doubling (``KVCache.append``: old and new buffers live together while
+        it is copied), plus the fixed state and the last step's working memory."""
+        return (self.per_token * kv_peak_slots(tokens, self.chunk) + self.fixed + self.working_per_token * tokens
+                + self.copies * (self.per_token * tokens + self.fixed))
+
+    def tokens_fitting(self, budget_bytes: int, limit: int) -> int:
+        """The largest context <= ``limit`` whose ``peak_bytes`` fits in ``budget_bytes`` (0: none)."""
+        if self.peak_bytes(1) > budget_bytes:
+            return 0
+        lo, hi = 1, max(1, limit)
+        if self.peak_bytes(hi) <= budget_bytes:
+            return hi
+        while hi - lo > 1:          # peak_bytes grows with tokens
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.peak_bytes(mid) <= budget_bytes else (lo, mid)
+        return lo
+
+
+def kv_peak_slots(tokens: int, chunk: int) -> int:
+    """Token slots a ``KVCache`` holds at its peak (old + new buffer while growing) when ``tokens``
+    tokens arrive as prefill chunks of ``chunk``: the capacity rule of ``KVCache.append``."""
+    capacity = peak = end = 0
+    while end < tokens:
+        end = min(tokens, end + chunk)
+        if end > capacity:
+            new = max(end, 2 * capacity, 64)
+            peak = max(peak, capacity + new)
+            capacity = new
+    return max(peak, capacity)
+
+
+def context_cost(model, kv_dtype: str, prefill_chunk_tokens: int = 256, copies: int = 0) -> ContextCost:
+    """The ``ContextCost`` of ``model``'s layers (a built model; the meta device will do) with its
+    caches stored as ``kv_dtype`` (a compute dtype name, or a KV encoding in ``KV_ELEMENT_BYTES``)."""
+    from lean_qwenflash.models.layers.attention import Attention
+    from lean_qwenflash.models.layers.deltanet import GatedDeltaNet
+    from lean_qwenflash.models.layers.latent_attention import LatentAttention
+
+    if kv_dtype not in KV_ELEMENT_BYTES:
+        raise ValueError(f"unknown KV cache dtype {kv_dtype!r}; known: {', '.join(KV_ELEMENT_BYTES)}")
+    elem = KV_ELEMENT_BYTES[kv_dtype]
+    compute = 2 if kv_dtype in ("float16", "bfloat16", "f16", "bf16") else 4    # conv state: the activations' dtype
+    chunk = max(1, int(prefill_chunk_tokens))
+    per_token = fixed = 0.0
+    working = 0
+    for layer, kind in zip(model.model.layers, model.layer_types):
+        for m in layer.modules():
+            if isinstance(m, Attention):
+                row = 2 * m.num_kv_heads * m.head_dim * elem
+                if kind == "sliding_attention":
+                    fixed += row * m.sliding_window + 8 * m.sliding_window
+                else:
+                    per_token += row
+                working = max(working, m.num_heads * chunk * 4)
+            elif isinstance(m, LatentAttention):
+                row = (m.kv_lora_rank + m.rope_dim) * elem
+                per_token += row
+                working = max(working, m.num_heads * chunk * 4 + int(row))
+            elif isinstance(m, GatedDeltaNet):
+                fixed += m.conv_dim * (m.conv_kernel_size - 1) * compute
+                fixed += m.num_v_heads * m.head_k_dim * m.head_v_dim * 4        # fp32 recurrent state
+    return ContextCost(int(math.ceil(per_token)), int(math.ceil(fixed)), working, chunk, kv_dtype, copies)
+
+
+class ContextBudget:
+    """How long a context fits in memory: ``cost`` (a ``ContextCost``), ``budget_bytes`` (what
+    states may use: ``available_bytes`` less ``caches_bytes`` — configured caches not yet filled —
+    and a margin) and ``fit_tokens`` (the longest context one sequence may reach in it, at most
+    ``model_context``)."""
+
+    def __init__(self, cost: ContextCost, available_bytes: int, caches_bytes: int, margin_bytes: int,
+                 model_context: int, where: str = "RAM"):
+        self.cost, self.available_bytes, self.caches_bytes = cost, available_bytes, caches_bytes
+        self.margin_bytes, self.model_context, self.where = margin_bytes, model_context, where
+        self.budget_bytes = max(0, available_bytes - caches_bytes - margin_bytes)
+        self.fit_tokens = cost.tokens_fitting(self.budget_bytes, model_context)
+
+    def describe(self) -> str:
+        """The figures in one line (the server's startup, ``doctor``)."""
+        c = self.cost
+        limit = ("the model's whole context" if self.fit_tokens >= self.model_context
+                 else f"of the model's {self.model_context}")
+        return (f"{c.per_token} bytes per token (KV as {c.kv_dtype}) + {format_size(c.fixed)} per sequence "
+                f"(recurrent state, windows); {self.fit_tokens} tokens fit ({limit}) in "
+                f"{format_size(self.budget_bytes)} of {self.where}: {format_size(self.available_bytes)} available "
+                f"less {format_size(self.caches_bytes)} of caches and a {format_size(self.margin_bytes)} margin")
+
+
+MARGIN_BYTES = 256 * 1024**2     # left free beside the states (allocator slack, buffers, the HTTP side)
+
+
+def cgroup_memory() -> tuple[Optional[int], Optional[int]]:
+    """(limit, usage) in bytes of this process's memory cgroup (v2, else v1); None where unknown
+    or unlimited."""
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            v = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if v == "max" or int(v) >= 1 << 60:
+            return None, None
+        try:
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            usage = None
+        return int(v), usage
+    return None, None
+
+
+def available_memory(device: str = "cpu") -> tuple[int, str]:
+    """(bytes, "RAM" or "VRAM"): what a state may still take on ``device``: free memory on CUDA; on
+    the CPU MemAvailable, or what the cgroup limit leaves when that is less."""
+    if device.startswith("cuda"):
+        import torch
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), "VRAM"
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    limit, usage = cgroup_memory()
+    if limit is not None:
+        left = max(0, limit - (usage or 0))
+        avail = left if avail is None else min(avail, left)
+    return avail or 0, "RAM"
