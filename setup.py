@@ -50,8 +50,8 @@ ext = Pybind11Extension(
 # -ffp-contract=off keeps exact dequantization bit-equal to numpy's (no fused multiply-adds).
 kernels = Pybind11Extension(
     "lean_qwenflash._kernels",
-    sources=["csrc/quant_scalar.cpp", "csrc/quant_avx2.cpp", "csrc/quant_avx512.cpp", "csrc/moe.cpp",
-             "csrc/kernels_bindings.cpp"],
+    sources=["csrc/quant_scalar.cpp", "csrc/quant_types.cpp", "csrc/quant_avx2.cpp", "csrc/quant_avx512.cpp", "csrc/moe.cpp",
+             "csrc/ops.cpp", "csrc/attention.cpp", "csrc/kernels_bindings.cpp"],
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off"],
     extra_link_args=["-pthread"],
     cxx_std=17,
@@ -62,7 +62,7 @@ setup(
     version="0.1.0",
     description="Run Mixture-of-Experts LLMs larger than memory by streaming experts from NVMe",
     packages=find_packages(include=["lean_qwenflash", "lean_qwenflash.*"]),
-    package_data={"lean_qwenflash": ["default_model/*", "default_model/**/*"]},
+    package_data={"lean_qwenflash": ["default_model/*", "default_model/**/*", "server/ui/*"]},
     include_package_data=True,
     ext_modules=[ext, kernels],
     cmdclass={"build_ext": build_ext},
@@ -81,6 +81,7 @@ setup(
         "uvicorn>=0.29",
         "prometheus-client>=0.17",
         "llguidance>=1.0",     # grammar-constrained tool calls and JSON answers (server)
+        "huggingface_hub>=0.30",   # `pull`: downloads from the Hub (resumable, its cache)
     ],
     extras_require={
         "dev": ["pytest>=7", "gguf>=0.17", "llama-cpp-python>=0.3.30", "transformers>=5.0", "openai>=1.30", "anthropic>=0.42", "httpx>=0.27", "jsonschema>=4", "schemathesis>=3.30", "litellm>=1.50"],

@@ -59,29 +59,35 @@ def read_bytes() -> int:
     return 0
 
 
-def prepare(work: Path, experts_gib: float, layers: int, threads: int) -> dict:
+def prepare(work: Path, experts_gib: float, layers: int, threads: int, cases: list) -> dict:
     import peer
     from lean_qwenflash.store import pack
     from lean_qwenflash.store.gguf_export import export_gguf
     work.mkdir(parents=True, exist_ok=True)
     config = peer.model_config(experts_gib, layers)
-    files = {"uniform": work / "model-Q4_K_M.gguf", "skewed": work / "model-skewed-Q4_K_M.gguf"}
-    if not files["uniform"].is_file():
-        ckpt, bf16 = work / "checkpoint", work / "model-bf16.gguf"
-        peer.build_checkpoint(ckpt, config, residual_scale=RESIDUAL_SCALE)
+    files = {"uniform": work / "model-Q4_K_M.gguf", "skewed": work / "model-skewed-Q4_K_M.gguf",
+             "bf16": work / "model-bf16.gguf"}
+    keep_bf16 = "bf16" in cases
+    if not files["uniform"].is_file() or (keep_bf16 and not files["bf16"].is_file()):
+        ckpt, bf16 = work / "checkpoint", files["bf16"]
         if not bf16.is_file():
+            peer.build_checkpoint(ckpt, config, residual_scale=RESIDUAL_SCALE)
             print("exporting GGUF bf16 ...", file=sys.stderr, flush=True)
             export_gguf(ckpt, bf16, "bf16")
-        shutil.rmtree(ckpt)
+            shutil.rmtree(ckpt)
+    if not files["uniform"].is_file():
         print("quantizing with llama.cpp to Q4_K_M ...", file=sys.stderr, flush=True)
         import llama_cpp
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
         tmp = files["uniform"].with_suffix(".tmp")
-        if llama_cpp.llama_model_quantize(str(bf16).encode(), str(tmp).encode(), params) != 0:
+        if llama_cpp.llama_model_quantize(str(files["bf16"]).encode(), str(tmp).encode(), params) != 0:
             raise SystemExit("llama_model_quantize failed")
         tmp.rename(files["uniform"])
-        bf16.unlink()
+    if not keep_bf16 and files["bf16"].is_file():
+        files["bf16"].unlink()          # (the bf16 case keeps it: ~3.5x the Q4_K_M file)
+    if not keep_bf16:
+        del files["bf16"]
     if not files["skewed"].is_file():
         _skewed_copy(files)
     packs = {}
@@ -242,7 +248,8 @@ def main() -> int:
     ap.add_argument("--settings", default="warm,cached,nice19,nice0,capped")
     ap.add_argument("--cap-gib", type=float, help="cgroup memory cap (default: half the GGUF file)")
     ap.add_argument("--host-cache-gib", type=float, help="our host expert cache under the cap (default: cap - 1 GiB)")
-    ap.add_argument("--cases", default="uniform,skewed")
+    ap.add_argument("--cases", default="uniform,skewed", help="uniform / skewed (Q4_K_M files, near-uniform and "
+                    "Zipf-like routing) and bf16 (the uniform model's bf16 GGUF, ~3.5x larger)")
     ap.add_argument("--engines", default="llama,ours", help="which engines to run (e.g. ours, for a before/after)")
     ap.add_argument("--ours-repo", help="run our side from this checkout (PYTHONPATH), e.g. a baseline worktree")
     ap.add_argument("--work", default=str(REPO / "bench" / "results" / "peer_gguf"))
@@ -255,7 +262,7 @@ def main() -> int:
         print(json.dumps(fn(json.loads(args.spec))))
         return 0
 
-    files = prepare(Path(args.work), args.experts_gib, args.layers, args.threads)
+    files = prepare(Path(args.work), args.experts_gib, args.layers, args.threads, args.cases.split(","))
     config = files["config"]
     file_bytes = files["gguf"]["uniform"].stat().st_size
     cap = int(args.cap_gib * 2**30) if args.cap_gib else file_bytes // 2
@@ -273,8 +280,9 @@ def main() -> int:
                 rows.append({"case": case, "setting": setting, "error": "needs root and cgroup v1"})
                 continue
             # the cached setting: a host cache holding every record (file size is an upper bound)
+            case_bytes = files["gguf"][case].stat().st_size
             spec = dict(base, setting=setting,
-                        host_cache_gib=capped_cache if setting == "capped" else file_bytes / 2**30 + 0.5)
+                        host_cache_gib=capped_cache if setting == "capped" else case_bytes / 2**30 + 0.5)
             limit = cap if setting == "capped" else None
             row = {"case": case, "setting": setting}
             engines = args.engines.split(",")

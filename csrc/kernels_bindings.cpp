@@ -4,7 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "attention.h"
 #include "moe.h"
+#include "ops.h"
 
 namespace py = pybind11;
 using namespace lqf;
@@ -20,16 +22,48 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("best_isa", &best_isa);
     m.def("set_spin", &set_spin, py::arg("iterations"),
           "How many pause instructions an idle worker spins before sleeping; returns the previous value.");
+    m.def(
+        "encoding_ids", [] {
+            std::vector<int> ids;
+            for (int e = 0; e < ENC_COUNT; ++e) ids.push_back(e);
+            return ids;
+        },
+        "The encoding ids (csrc/quant.h Enc) this build has kernels and exact dequantization for.");
     m.def("block_bytes", &enc_block_bytes, py::arg("enc"));
+    m.def(
+        "set_iq_table",
+        [](const std::string& name, const py::bytes& data) {
+            const std::string b = data;
+            set_iq_table(name.c_str(), b.data(), b.size());
+        },
+        py::arg("name"), py::arg("data"),
+        "Hand over one IQ lookup table (a copy is kept): iq2xxs, iq2xs, iq2s, iq3xxs, iq3s, iq1s, ksigns, iq4nl.");
+    m.def("require_tables", &require_tables, py::arg("enc"),
+          "Raise naming the missing table if encoding `enc` needs IQ tables that are not set.");
     m.def("block_values", &enc_block_values, py::arg("enc"));
     m.def(
         "gemv",
         [](uintptr_t w, int enc, int rows, int cols, uintptr_t x, uintptr_t out, int threads, const std::string& isa) {
+            require_tables(enc);
             py::gil_scoped_release nogil;
             gemv(ptr<const uint8_t>(w), enc, rows, cols, ptr<const float>(x), ptr<float>(out), threads, isa);
         },
         py::arg("w"), py::arg("enc"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("out"),
         py::arg("threads"), py::arg("isa") = "auto");
+    m.def(
+        "gemv_multi",
+        [](const std::vector<uintptr_t>& w, const std::vector<int>& enc, const std::vector<int>& rows, int cols, uintptr_t x,
+           const std::vector<uintptr_t>& out, int threads, const std::string& isa) {
+            std::vector<const uint8_t*> wp(w.size());
+            std::vector<float*> op(out.size());
+            for (size_t i = 0; i < w.size(); ++i) wp[i] = ptr<const uint8_t>(w[i]);
+            for (size_t i = 0; i < out.size(); ++i) op[i] = ptr<float>(out[i]);
+            for (int e : enc) require_tables(e);
+            py::gil_scoped_release nogil;
+            gemv_multi(wp, enc, rows, cols, ptr<const float>(x), op, threads, isa);
+        },
+        py::arg("w"), py::arg("enc"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("out"), py::arg("threads"),
+        py::arg("isa") = "auto", "Several matrices times one x in one call (x quantized once).");
     m.def(
         "moe_decode",
         [](uintptr_t x, int hidden, int inter, const std::vector<uintptr_t>& gate_up, const std::vector<uintptr_t>& down,
@@ -37,6 +71,8 @@ PYBIND11_MODULE(_kernels, m) {
             std::vector<const uint8_t*> gu(gate_up.size()), dn(down.size());
             for (size_t i = 0; i < gu.size(); ++i) gu[i] = ptr<const uint8_t>(gate_up[i]);
             for (size_t i = 0; i < dn.size(); ++i) dn[i] = ptr<const uint8_t>(down[i]);
+            require_tables(gu_enc);
+            require_tables(dn_enc);
             py::gil_scoped_release nogil;
             moe_decode(ptr<const float>(x), hidden, inter, gu, dn, weights, gu_enc, dn_enc, ptr<float>(out), threads, isa);
         },
@@ -50,6 +86,8 @@ PYBIND11_MODULE(_kernels, m) {
             std::vector<const uint8_t*> gu(gate_up.size()), dn(down.size());
             for (size_t i = 0; i < gu.size(); ++i) gu[i] = ptr<const uint8_t>(gate_up[i]);
             for (size_t i = 0; i < dn.size(); ++i) dn[i] = ptr<const uint8_t>(down[i]);
+            require_tables(gu_enc);
+            require_tables(dn_enc);
             py::gil_scoped_release nogil;
             moe_prefill(ptr<const float>(x), hidden, inter, gu, dn, ptr<const int>(counts), ptr<const int>(tokens),
                         ptr<const float>(weights), gu_enc, dn_enc, ptr<float>(out), threads, isa);
@@ -58,8 +96,55 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("tokens"), py::arg("weights"), py::arg("gate_up_enc"), py::arg("down_enc"), py::arg("out"),
         py::arg("threads"), py::arg("isa") = "auto");
     m.def(
+        "attention_decode",
+        [](uintptr_t q, int heads, int kv_heads, const std::vector<std::tuple<uintptr_t, int, int, int64_t, int64_t>>& keys,
+           const std::tuple<uintptr_t, int, int, int64_t, int64_t>& values, int num_keys, float scale, uintptr_t sinks,
+           uintptr_t out, int threads, const std::string& isa) {
+            auto rows = [](const std::tuple<uintptr_t, int, int, int64_t, int64_t>& t) {
+                return KVRows{ptr<const uint8_t>(std::get<0>(t)), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)};
+            };
+            std::vector<KVRows> k;
+            for (const auto& t : keys) k.push_back(rows(t));
+            py::gil_scoped_release nogil;
+            attention_decode(ptr<const float>(q), heads, kv_heads, k, rows(values), num_keys, scale,
+                             sinks ? ptr<const float>(sinks) : nullptr, ptr<float>(out), threads, isa);
+        },
+        py::arg("q"), py::arg("heads"), py::arg("kv_heads"), py::arg("keys"), py::arg("values"), py::arg("num_keys"),
+        py::arg("scale"), py::arg("sinks"), py::arg("out"), py::arg("threads"), py::arg("isa") = "auto",
+        "Decode attention: keys/values are (address, encoding, dim, head stride, row stride) rows (csrc/attention.h).");
+    m.def(
+        "rms_norm",
+        [](uintptr_t x, int rows, int n, uintptr_t w, int weight_mode, float eps, uintptr_t out) {
+            py::gil_scoped_release nogil;
+            rms_norm(ptr<const float>(x), rows, n, w ? ptr<const float>(w) : nullptr, weight_mode, eps, ptr<float>(out));
+        },
+        py::arg("x"), py::arg("rows"), py::arg("n"), py::arg("w"), py::arg("weight_mode"), py::arg("eps"), py::arg("out"),
+        "RMS norm of fp32 rows (weight_mode 0: none, 1: times w, 2: times 1 + w); csrc/ops.h.");
+    m.def(
+        "rope",
+        [](uintptr_t x, int outer, int tokens, int head_dim, int rotary_dim, uintptr_t cos, uintptr_t sin, uintptr_t out) {
+            py::gil_scoped_release nogil;
+            rope_rotate_half(ptr<const float>(x), outer, tokens, head_dim, rotary_dim, ptr<const float>(cos),
+                             ptr<const float>(sin), ptr<float>(out));
+        },
+        py::arg("x"), py::arg("outer"), py::arg("tokens"), py::arg("head_dim"), py::arg("rotary_dim"), py::arg("cos"),
+        py::arg("sin"), py::arg("out"), "Rotate-half rotary embedding of fp32 [outer, tokens, head_dim]; csrc/ops.h.");
+    m.def(
+        "route_softmax",
+        [](uintptr_t w, int enc, int experts, int hidden, uintptr_t x, uintptr_t bias, int top_k, bool renorm,
+           bool by_rank, int threads, const std::string& isa) {
+            require_tables(enc);
+            py::gil_scoped_release nogil;
+            return route_softmax(ptr<const uint8_t>(w), enc, experts, hidden, ptr<const float>(x),
+                                 bias ? ptr<const float>(bias) : nullptr, top_k, renorm, by_rank, threads, isa);
+        },
+        py::arg("w"), py::arg("enc"), py::arg("experts"), py::arg("hidden"), py::arg("x"), py::arg("bias"),
+        py::arg("top_k"), py::arg("renorm"), py::arg("by_rank"), py::arg("threads"), py::arg("isa") = "auto",
+        "One token's softmax routing: (expert ids ascending, weights); csrc/ops.h.");
+    m.def(
         "dequantize",
         [](uintptr_t src, int enc, int rows, int cols, uintptr_t dst, int threads) {
+            require_tables(enc);
             py::gil_scoped_release nogil;
             dequantize(ptr<const uint8_t>(src), enc, rows, cols, ptr<float>(dst), threads);
         },

@@ -226,18 +226,40 @@ static int task_rows(int total_rows, int threads) {
 }
 
 void gemv(const uint8_t* w, int enc, int rows, int cols, const float* x, float* out, int num_threads, const std::string& isa) {
-    check_cols(enc, cols, "gemv");
+    gemv_multi({w}, {enc}, {rows}, cols, x, {out}, num_threads, isa);
+}
+
+void gemv_multi(const std::vector<const uint8_t*>& w, const std::vector<int>& enc, const std::vector<int>& rows, int cols,
+                const float* x, const std::vector<float*>& out, int num_threads, const std::string& isa) {
+    const size_t n = w.size();
+    if (enc.size() != n || rows.size() != n || out.size() != n || n == 0)
+        throw std::invalid_argument("gemv: one encoding, row count and output per matrix");
     const KernelTable& k = kernels_for(isa);
+    // One quantized activation serves every block encoding (all read 32-value int8 blocks).
     ActBuf a;
-    a.prepare(enc, x, cols);
-    const Act act = a.act();
-    const size_t stride = enc_row_bytes(enc, cols);
-    const DotFn dot = k.dot[enc];
+    bool quantized = false;
+    for (size_t m = 0; m < n; ++m) {
+        check_cols(enc[m], cols, "gemv");
+        if (!enc_is_float(enc[m]) && !quantized) {
+            a.prepare(enc[m], x, cols);
+            quantized = true;
+        }
+    }
+    Act act = a.act();
+    act.x = x;
     Pool& p = pool(num_threads);
-    const int step = task_rows(rows, p.size());
-    p.run((rows + step - 1) / step, [&](int t) {
-        const int r1 = std::min(rows, (t + 1) * step);
-        for (int r = t * step; r < r1; ++r) out[r] = dot(w + r * stride, act, cols);
+    int total = 0;
+    for (int r : rows) total += r;
+    const int step = task_rows(total, p.size());
+    // Tasks: runs of `step` rows inside one matrix.
+    std::vector<std::pair<int, int>> tasks;     // (matrix, first row)
+    for (size_t m = 0; m < n; ++m)
+        for (int r = 0; r < rows[m]; r += step) tasks.emplace_back(static_cast<int>(m), r);
+    p.run(static_cast<int>(tasks.size()), [&](int t) {
+        const int m = tasks[t].first, r0 = tasks[t].second, r1 = std::min(rows[m], r0 + step);
+        const size_t stride = enc_row_bytes(enc[m], cols);
+        const DotFn dot = k.dot[enc[m]];
+        for (int r = r0; r < r1; ++r) out[m][r] = dot(w[m] + r * stride, act, cols);
     });
 }
 

@@ -16,6 +16,11 @@ const KernelTable& kernels_for(const std::string& isa);   // "auto" = best_isa()
 // out[rows] = W[rows, cols] . x[cols]  (x fp32; quantized to ActQ8 first for block encodings)
 void gemv(const uint8_t* w, int enc, int rows, int cols, const float* x, float* out, int num_threads, const std::string& isa);
 
+// The same for several matrices of `cols` columns and one x (a layer's q, k and v): x quantized
+// once, every matrix's rows in one parallel run. out[m][rows[m]].
+void gemv_multi(const std::vector<const uint8_t*>& w, const std::vector<int>& enc, const std::vector<int>& rows, int cols,
+                const float* x, const std::vector<float*>& out, int num_threads, const std::string& isa);
+
 // out[H] = sum_e weights[e] * down_e(silu(gate_e(x)) * up_e(x)); gate_up_e [2I, H], down_e [H, I]
 void moe_decode(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
                 const std::vector<const uint8_t*>& down, const std::vector<float>& weights, int gate_up_enc, int down_enc,

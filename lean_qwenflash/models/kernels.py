@@ -114,7 +114,12 @@ def as_float(weight, dtype: torch.dtype, role: str, workspace: Workspace) -> tor
     """A weight as a float matrix in ``dtype`` (float weights as they are; quantized: exact
     dequantization into the ``workspace``'s buffer for ``role`` and the weight's shape)."""
     if not isinstance(weight, QuantTensor):
-        return weight if weight.dtype == dtype else weight.to(dtype)   # (the runtime keeps them equal)
+        if weight.dtype == dtype:
+            return weight
+        if weight.device.type != "cpu":
+            return weight.to(dtype)
+        # float records of another dtype, converted per call into the workspace (page-aligned, as records are)
+        return workspace.buffer(role, tuple(weight.shape), dtype).copy_(weight)
     if weight.device.type != "cpu" or not native.available():
         return weight.dequantize(dtype)
     buf = native.dequantize_into(weight, workspace.buffer(role, tuple(weight.shape)))
@@ -193,3 +198,22 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, ctx: ExecConte
     else:
         out = F.linear(x, as_float(weight, x.dtype, role, ctx.workspace))
     return out if bias is None else out + bias
+
+
+def linears(x: torch.Tensor, modules, ctx: ExecContext = STANDALONE):
+    """One token x through several ``Linear`` modules of the same input width (a layer's q, k, v):
+    one native call in ``fast`` mode when every weight is one the kernels read (encoded rows, or
+    float with ``float_native``); None otherwise (call the modules)."""
+    policy = ctx.policy
+    if policy.kernel_mode != "fast" or x.device.type != "cpu" or x.numel() != modules[0].in_features:
+        return None
+    weights = []
+    for m in modules:
+        w = m.qweight if m.qweight is not None else (m.weight if policy.float_native else None)
+        if w is None or isinstance(w, QuantRows) or not native.supports(w):
+            return None
+        weights.append(w)
+    outs = native.gemv_multi(weights, x, isa=policy.isa, threads=policy.native_threads)
+    lead = x.shape[:-1]
+    return [(o if m.bias is None else o + m.bias).view(lead + (m.out_features,)).to(x.dtype)
+            for o, m in zip(outs, modules)]

@@ -19,7 +19,33 @@ except ImportError:  # pragma: no cover - the extension is part of every build
     _K = None
 
 ISAS: list = _K.supported_isas() if _K is not None else []
+
+
+def _set_iq_tables() -> None:
+    """Hand the I-quant lookup tables (from the gguf package, quant.iquants.iq_tables) to the
+    kernels once. Without gguf the IQ kernels refuse by name instead of reading garbage."""
+    from ..quant.iquants import iq_tables
+    try:
+        t = iq_tables()
+    except RuntimeError:  # pragma: no cover - gguf is a dependency
+        return
+    for ours, theirs in (("iq2xxs", "iq2xxs_grid"), ("iq2xs", "iq2xs_grid"), ("iq2s", "iq2s_grid"),
+                         ("iq3xxs", "iq3xxs_grid"), ("iq3s", "iq3s_grid"), ("iq1s", "iq1s_grid"),
+                         ("ksigns", "ksigns"), ("iq4nl", "kvalues_iq4nl")):
+        _K.set_iq_table(ours, t[theirs].tobytes())
+
+
+if _K is not None:
+    _set_iq_tables()
 _FLOAT_IDS = {ENCODINGS[n].torch_dtype: ENCODINGS[n].native_id for n in ("f32", "f16", "bf16")}
+# The encoding ids this build of the extension has kernels for (csrc/quant.h's Enc); an encoding
+# outside it runs on torch (dequantize, then multiply). Builds that do not list them have the first 8.
+NATIVE_IDS = frozenset(_K.encoding_ids()) if hasattr(_K, "encoding_ids") else frozenset(range(8) if _K else ())
+
+
+def knows(encoding) -> bool:
+    """Whether the native kernels implement ``encoding`` (a quant Encoding)."""
+    return encoding.native_id in NATIVE_IDS
 
 
 def available() -> bool:
@@ -52,7 +78,8 @@ def supports(weight) -> bool:
     if _K is None:
         return False
     t = weight.raw if isinstance(weight, QuantTensor) else weight
-    return t.device.type == "cpu" and t.is_contiguous() and (isinstance(weight, QuantTensor) or t.dtype in _FLOAT_IDS)
+    return t.device.type == "cpu" and t.is_contiguous() and (knows(weight.encoding) if isinstance(weight, QuantTensor)
+                                                             else t.dtype in _FLOAT_IDS)
 
 
 def set_spin(iterations: int) -> int:
@@ -66,6 +93,8 @@ def _threads(threads) -> int:
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32 and x.is_contiguous():
+        return x            # (decode: already so; no dispatches)
     return x.detach().to(torch.float32).contiguous()
 
 
@@ -122,9 +151,120 @@ def moe_prefill(x: torch.Tensor, experts: Sequence, counts: torch.Tensor, tokens
 
 
 def dequantize_into(weight: QuantTensor, out: torch.Tensor, threads: int = 0) -> torch.Tensor:
-    """Exact fp32 rows of ``weight`` into ``out`` (contiguous fp32 of the weight's shape)."""
+    """Exact fp32 rows of ``weight`` into ``out`` (contiguous fp32 of the weight's shape); torch's
+    dequantizer where the native kernels do not know the encoding."""
     if out.dtype != torch.float32 or not out.is_contiguous() or tuple(out.shape) != tuple(weight.shape):
         raise ValueError(f"dequantize_into: out must be contiguous fp32 {tuple(weight.shape)}")
+    if not knows(weight.encoding):
+        return out.copy_(weight.dequantize())
     rows, cols = weight.shape
     _K.dequantize(_address(weight), weight.encoding.native_id, rows, cols, out.data_ptr(), _threads(threads))
     return out
+
+
+def _kv_rows(rows: torch.Tensor, enc: int, dim: int, kv_heads: int, num_keys: int, what: str) -> tuple:
+    """(address, encoding, dim, head stride, row stride) of cached rows [kv_heads, >= num_keys, row]
+    (bytes); each row contiguous, rows and heads at any stride (a cache's capacity, a ring)."""
+    if rows.device.type != "cpu" or rows.dim() != 3 or rows.stride(-1) != 1:
+        raise ValueError(f"attention_decode: {what} must be CPU rows [kv_heads, keys, row] with contiguous rows")
+    if rows.shape[0] != kv_heads or rows.shape[1] < num_keys:
+        raise ValueError(f"attention_decode: {what} {tuple(rows.shape)} do not hold {kv_heads} kv heads x {num_keys} keys")
+    item = rows.element_size()
+    width = rows.shape[2] * item
+    block = _K.block_bytes(enc), _K.block_values(enc)
+    want = -(-dim // block[1]) * block[0]
+    if width != want:
+        raise ValueError(f"attention_decode: {what} rows are {width} bytes; encoding {enc} with {dim} values needs {want}")
+    return rows.data_ptr(), enc, dim, rows.stride(0) * item, rows.stride(1) * item
+
+
+def attention_decode(q: torch.Tensor, keys: Sequence[tuple], values: tuple, num_keys: int, scale: float,
+                     sinks=None, isa: str = "auto", threads: int = 0) -> torch.Tensor:
+    """One query row per head over the first ``num_keys`` cached rows, all visible (csrc/attention.cpp).
+
+    q [heads, sum of the key parts' dims] fp32; ``keys``: (rows [kv_heads, L, row], native encoding
+    id, dim) per part (the scores add over parts: MLA's latent and rope key); ``values`` likewise
+    (the same tensor as the first key part: MLA). ``sinks`` [heads] or None. -> fp32 [heads, values dim]."""
+    heads = q.shape[0]
+    kv_heads = keys[0][0].shape[0]
+    if q.dtype != torch.float32 or not q.is_contiguous() or q.dim() != 2 or q.shape[1] != sum(k[2] for k in keys):
+        raise ValueError(f"attention_decode: q must be contiguous fp32 [heads, {sum(k[2] for k in keys)}], "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    if num_keys < 1 or heads % kv_heads:
+        raise ValueError(f"attention_decode: {num_keys} keys, {heads} heads over {kv_heads} kv heads")
+    key_rows = [_kv_rows(r, e, d, kv_heads, num_keys, "keys") for r, e, d in keys]
+    value_rows = _kv_rows(*values, kv_heads, num_keys, "values")
+    sink_ptr = 0
+    if sinks is not None:
+        sinks = _f32(sinks).reshape(-1)
+        if sinks.numel() != heads:
+            raise ValueError(f"attention_decode: {sinks.numel()} sinks for {heads} heads")
+        sink_ptr = sinks.data_ptr()
+    out = torch.empty(heads, values[2], dtype=torch.float32)
+    _K.attention_decode(q.data_ptr(), heads, kv_heads, key_rows, value_rows, int(num_keys), float(scale), sink_ptr,
+                        out.data_ptr(), _threads(threads), isa)
+    return out
+
+
+# ---- per-token operations of a decode step (csrc/ops.h) ----
+
+def _plain_f32(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight, eps: float, zero_centred: bool = False) -> torch.Tensor:
+    """``x / rms(x)`` over the last dim, times ``weight`` (``1 + weight`` if ``zero_centred``; no
+    weight: None); x fp32 contiguous on CPU (fast mode: the sum of squares is in float64, not
+    torch's fp32 order)."""
+    if not _plain_f32(x) or (weight is not None and not _plain_f32(weight)):
+        raise ValueError("native rms_norm needs contiguous fp32 CPU tensors")
+    n = x.shape[-1]
+    if weight is not None and weight.numel() != n:
+        raise ValueError(f"rms_norm: weight has {weight.numel()} values, rows have {n}")
+    out = torch.empty_like(x)
+    mode = 0 if weight is None else (2 if zero_centred else 1)
+    _K.rms_norm(x.data_ptr(), x.numel() // n, n, 0 if weight is None else weight.data_ptr(), mode, float(eps),
+                out.data_ptr())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` of x [B, heads, T, D] with cos / signed sin [T, rotary_dim], bit-equal to
+    the torch expression (same roundings)."""
+    if not (_plain_f32(x) and _plain_f32(cos) and _plain_f32(sin)) or x.dim() != 4:
+        raise ValueError("native rope needs contiguous fp32 CPU tensors, x [B, heads, T, D]")
+    tokens, rotary_dim = cos.shape
+    if x.shape[2] != tokens or sin.shape != cos.shape or rotary_dim > x.shape[3]:
+        raise ValueError(f"rope: x {tuple(x.shape)} does not fit tables {tuple(cos.shape)}")
+    out = torch.empty_like(x)
+    _K.rope(x.data_ptr(), x.shape[0] * x.shape[1], tokens, x.shape[3], rotary_dim, cos.data_ptr(), sin.data_ptr(),
+            out.data_ptr())
+    return out
+
+
+def route_softmax(weight, x: torch.Tensor, bias, top_k: int, renorm: bool, isa: str = "auto",
+                  threads: int = 0, by_rank: bool = False) -> tuple[list, list]:
+    """One token's softmax routing through a router weight [E, H] (float or encoded): (expert ids
+    ascending — ``by_rank``: best first —, their fp32 weights), as lists (no tensor round trip)."""
+    experts, hidden = weight.shape
+    xf = _f32(x).reshape(-1)
+    if xf.numel() != hidden:
+        raise ValueError(f"route_softmax: x has {xf.numel()} values, the router has {hidden} columns")
+    if bias is not None and (not _plain_f32(bias) or bias.numel() != experts):
+        raise ValueError("route_softmax: bias must be fp32 [experts] on CPU")
+    return _K.route_softmax(_address(weight), encoding_id(weight), experts, hidden, xf.data_ptr(),
+                            0 if bias is None else bias.data_ptr(), int(top_k), bool(renorm), bool(by_rank),
+                            _threads(threads), isa)
+
+
+def gemv_multi(weights: Sequence, x: torch.Tensor, isa: str = "auto", threads: int = 0) -> list:
+    """``[w . x for w in weights]`` (each [rows_m, cols], the same cols) in one call: x quantized
+    once for all block encodings, every matrix's rows in one parallel run; fp32 [rows_m] each."""
+    cols = weights[0].shape[1]
+    xf = _f32(x).reshape(-1)
+    if xf.numel() != cols or any(w.shape[1] != cols for w in weights):
+        raise ValueError(f"gemv_multi: x has {xf.numel()} values; matrices {[tuple(w.shape) for w in weights]}")
+    outs = [torch.empty(w.shape[0], dtype=torch.float32) for w in weights]
+    _K.gemv_multi([_address(w) for w in weights], [encoding_id(w) for w in weights], [w.shape[0] for w in weights],
+                  cols, xf.data_ptr(), [o.data_ptr() for o in outs], _threads(threads), isa)
+    return outs

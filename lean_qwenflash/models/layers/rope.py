@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from lean_qwenflash.models import native
+
 ROPE_TYPES = ("default", "linear", "yarn")
 
 
@@ -146,7 +148,12 @@ class Rotary:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, T, D] rotated on its first ``cos.shape[-1]`` dims (rotate-half convention)."""
+    """x [B, heads, T, D] rotated on its first ``cos.shape[-1]`` dims (rotate-half convention).
+    A few fp32 tokens on CPU (decode) take one native call that rounds exactly as these torch ops do
+    (bit-equal, so in every kernel mode)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 4 and x.shape[2] <= 4 \
+            and native.available() and cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous():
+        return native.rope(x.contiguous(), cos, sin)
     rotary_dim = cos.shape[-1]
     half = rotary_dim // 2
     x_rot = x[..., :rotary_dim]

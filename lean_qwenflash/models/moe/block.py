@@ -31,18 +31,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
         # One device-to-host transfer (a sync on CUDA) for ids and weights; float64 holds both exactly.
         ids_and_weights = torch.stack((indices[0].to(torch.float64), weights[0].to(torch.float64))).tolist()
         pairs = sorted((int(e), w) for e, w in zip(*ids_and_weights))
-        expert_ids = [e for e, _ in pairs]
-        experts = provider.acquire(layer_idx, expert_ids)
-        try:
-            if expert_fn is None:
-                out = kernels.experts_decode(x, experts, [w for _, w in pairs], ctx)
-            else:
-                out = torch.zeros_like(x)
-                for e, w, (_, weight) in zip(expert_ids, experts, pairs):
-                    out.add_(expert_fn(x, w, e, ctx), alpha=weight)
-        finally:
-            provider.release(layer_idx, expert_ids)
-        return out
+        return routed_one(x, [e for e, _ in pairs], [w for _, w in pairs], provider, layer_idx, ctx, expert_fn)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat)
@@ -80,6 +69,22 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
         finally:
             provider.release(layer_idx, ids)
     return out if out32 is None or out32 is out else out.add_(out32.to(x.dtype))
+
+
+def routed_one(x: torch.Tensor, expert_ids: list, weights: list, provider, layer_idx: int,
+               ctx: ExecContext = STANDALONE, expert_fn=None) -> torch.Tensor:
+    """One token x [1, H] through its experts ``expert_ids`` (ascending) with ``weights`` (floats):
+    one acquire, one ``kernels.experts_decode`` call (or the family's expert math per expert)."""
+    experts = provider.acquire(layer_idx, expert_ids)
+    try:
+        if expert_fn is None:
+            return kernels.experts_decode(x, experts, weights, ctx)
+        out = torch.zeros_like(x)
+        for e, w, weight in zip(expert_ids, experts, weights):
+            out.add_(expert_fn(x, w, e, ctx), alpha=weight)
+        return out
+    finally:
+        provider.release(layer_idx, expert_ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -139,13 +144,24 @@ class SparseMoeBlock(nn.Module):
         """The ``n`` experts the routing rule ranks first for x [N, H] (a prefetcher's guess)."""
         return self.router.predict(x, n)
 
+    def route_lists(self, x: torch.Tensor):
+        """One token's (expert ids ascending, weights) as lists from the native router, or None
+        where this block's rule or the policy does not allow it (see ``Router.route_lists``)."""
+        return self.router.route_lists(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         self.provider.layer_input(self.layer_idx, flat)
-        weights, indices = self.route(flat)
-        out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx,
-                             self.ctx, self.expert_fn)
+        # A decode step whose rule the native kernels know: ids and weights come back as lists
+        # (no softmax / topk / sort / tensor-to-list dispatches).
+        routed = self.route_lists(flat) if flat.shape[0] == 1 else None
+        if routed is not None:
+            out = routed_one(flat, routed[0], routed[1], self.provider, self.layer_idx, self.ctx, self.expert_fn)
+        else:
+            weights, indices = self.route(flat)
+            out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx,
+                                 self.ctx, self.expert_fn)
         if self._shared is not None:
             expert, gate = self._shared
             shared = expert(flat)
@@ -166,6 +182,9 @@ class ExpertBiasMoeBlock(SparseMoeBlock):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.router.route(x, self.expert_bias)
+
+    def route_lists(self, x: torch.Tensor):
+        return None          # (the block's bias: the torch rule)
 
     def predict(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return self.router.predict(x, n, self.expert_bias)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lean_qwenflash.models import native
 from lean_qwenflash.models.layers.linear import Linear
 
 
@@ -29,6 +30,12 @@ class Router(Linear):
 
     def route(self, x: torch.Tensor, *selection) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def route_lists(self, x: torch.Tensor):
+        """One token x [1, H]: (expert ids ascending, fp32 weights) as lists from one native call,
+        or None (the rule has no native form, or the policy / the tensors do not allow it: then
+        ``route``)."""
+        return None
 
     def fp32_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits from fp32 inputs, as the sigmoid / grouped rules define them (an encoded
@@ -50,6 +57,31 @@ class SoftmaxRouter(Router):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__(hidden_size, num_experts, top_k)
         self.norm_topk_prob = norm_topk_prob
+
+    def _native_weight(self, x):
+        """The weight the native router reads, or None (not fast mode, not one fp32 CPU row, ...)."""
+        if self.ctx.policy.kernel_mode != "fast" or x.dtype != torch.float32 or x.device.type != "cpu" \
+                or x.numel() != self.in_features:
+            return None
+        weight = self.weight if self.qweight is None else self.qweight
+        if not native.supports(weight) or (self.bias is not None and self.bias.dtype != torch.float32):
+            return None
+        return weight
+
+    def route_lists(self, x):
+        weight = self._native_weight(x)
+        if weight is None:
+            return None
+        return native.route_softmax(weight, x, self.bias, self.top_k, self.norm_topk_prob,
+                                    isa=self.ctx.policy.isa, threads=self.ctx.policy.native_threads)
+
+    def predict(self, x, n, *selection):
+        weight = self._native_weight(x)
+        if weight is None:
+            return super().predict(x, n, *selection)
+        ids, _ = native.route_softmax(weight, x, self.bias, min(n, self.num_experts), False, by_rank=True,
+                                      isa=self.ctx.policy.isa, threads=self.ctx.policy.native_threads)
+        return torch.tensor([ids])
 
     def route(self, x):
         probs = F.softmax(self(x), dim=-1, dtype=torch.float32)
