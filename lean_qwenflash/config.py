@@ -15,7 +15,7 @@ from typing import Optional
 
 import yaml
 
-from .common import EXPERT_KERNELS, KERNEL_ISAS, ConfigError, check_sampling, format_size, parse_size
+from .common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, ConfigError, check_sampling, format_size, parse_size
 
 IO_ENGINES = ("auto", "uring", "pread")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -42,6 +42,14 @@ class ServerConfig:
     # body within body_timeout_s after the head; otherwise it gets 408 and is closed.
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
+    # Open connections one client address may hold (a flood of half-open sockets from one address
+    # cannot use up the process's file descriptors); more get 503 at once and are closed.
+    max_connections_per_client: int = 64
+    # Prefix snapshots that leave RAM (prefix_cache_bytes) go to this directory, at most
+    # snapshot_bytes of files (least recently used deleted); a restart with the same pack and
+    # numerics reuses them. None: snapshots live in RAM only.
+    snapshot_dir: Optional[str] = None
+    snapshot_bytes: int = 8 * 1024**3
 
 
 @dataclass
@@ -71,6 +79,10 @@ class RuntimeConfig:
                                         # experts); exact: dequantize, then torch (bit-identity tests)
     cpu_isa: str = "auto"               # force a native kernel path: auto, scalar, avx2, avx512
     cpu_threads: int = 0                # native kernel threads; 0 = torch's intra-op thread count
+    # How attention layers store keys and values: f32 (as computed: full precision), f16, bf16, or
+    # GGUF's 32-value blocks q8_0 / q4_0 (~3.8x / ~7x smaller than f32), dequantized block by block
+    # inside attention.
+    kv_cache_dtype: str = "f32"
     server: ServerConfig = field(default_factory=ServerConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     source: Optional[str] = None        # file it was loaded from (not a key)
@@ -86,6 +98,9 @@ class RuntimeConfig:
             raise ConfigError(f"cpu_threads: must be >= 0 (0: as many as torch uses), got {self.cpu_threads}")
         if self.cpu_isa not in KERNEL_ISAS:
             raise ConfigError(f"cpu_isa: must be one of {', '.join(KERNEL_ISAS)}, got {self.cpu_isa!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r} "
+                              f"(q8_0 / q4_0 store keys and values in GGUF's 32-value blocks)")
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
             raise ConfigError(f"device: must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not 1 <= self.io_queue_depth <= 4096:
@@ -112,6 +127,10 @@ class RuntimeConfig:
                               f"got {self.server.max_output_tokens}")
         if self.server.max_request_bytes < 1024:
             raise ConfigError(f"server.max_request_bytes: must be at least 1KiB, got {self.server.max_request_bytes}")
+        if self.server.max_connections_per_client < 1:
+            raise ConfigError(f"server.max_connections_per_client: must be >= 1, got {self.server.max_connections_per_client}")
+        if self.server.snapshot_bytes < 0:
+            raise ConfigError(f"server.snapshot_bytes: must be >= 0, got {self.server.snapshot_bytes}")
         for key in ("header_timeout_s", "body_timeout_s"):
             seconds = getattr(self.server, key)
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
@@ -135,7 +154,7 @@ class RuntimeConfig:
         return d
 
 
-_SIZE_KEYS = {"host_cache_bytes", "device_cache_bytes", "max_request_bytes", "prefix_cache_bytes"}
+_SIZE_KEYS = {"host_cache_bytes", "device_cache_bytes", "max_request_bytes", "prefix_cache_bytes", "snapshot_bytes"}
 
 
 def _fill(cls, data: dict, prefix: str):
@@ -193,6 +212,9 @@ def load_config(path=None, **overrides) -> RuntimeConfig:
     if cfg.model is not None and path is not None and not Path(cfg.model).is_absolute() and "model" not in overrides:
         # Relative pack paths in a config file are relative to the file.
         cfg.model = str((Path(path).parent / cfg.model).resolve())
+    snap = cfg.server.snapshot_dir
+    if snap is not None and path is not None and not Path(snap).expanduser().is_absolute():
+        cfg.server.snapshot_dir = str((Path(path).parent / snap).resolve())   # (relative to the file too)
     cfg.source = str(path) if path else None
     return cfg.validate()
 

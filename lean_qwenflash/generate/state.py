@@ -155,3 +155,51 @@ def new_state(model) -> ModelState:
         else:
             raise ValueError(f"unknown layer type {kind!r}")
     return ModelState(layers)
+
+
+# -- a state as plain parts (prefix snapshots on disk: generate/snapshots.py) ---------------------
+
+# The classes a spilled state may name (a file cannot make us build anything else).
+STATE_CLASSES = {cls.__name__: cls for cls in (KVCache, SlidingKVCache, DeltaNetState)}
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def state_parts(state: ModelState) -> tuple[list, list]:
+    """``state`` as (layers, tensors): per layer its class name and its attributes, each a scalar
+    or the index of a tensor in ``tensors``. Generic over the layer classes' attributes, so a new
+    kind of cache (registered in ``STATE_CLASSES``) spills without changes here."""
+    layers, tensors = [], []
+    for layer in state.layers:
+        name = type(layer).__name__
+        if STATE_CLASSES.get(name) is not type(layer):
+            raise ValueError(f"cannot spill a {name} layer state (not in STATE_CLASSES)")
+        attrs = {}
+        for key, value in vars(layer).items():
+            if isinstance(value, torch.Tensor):
+                if key in ("keys", "values") and isinstance(layer, KVCache):
+                    value = value[:, :, :layer.num_tokens]      # the tokens, not the spare capacity
+                attrs[key] = {"tensor": len(tensors)}
+                tensors.append(value)
+            elif isinstance(value, _SCALARS):
+                attrs[key] = value
+            else:
+                raise ValueError(f"cannot spill {name}.{key} (a {type(value).__name__})")
+        layers.append({"class": name, "attrs": attrs})
+    return layers, tensors
+
+
+def state_from_parts(layers: list, tensors: list, num_tokens: int, tokens: Optional[list]) -> ModelState:
+    """The inverse of ``state_parts`` (tensors already on the right device)."""
+    out = []
+    for entry in layers:
+        cls = STATE_CLASSES.get(entry.get("class"))
+        if cls is None:
+            raise ValueError(f"unknown layer state class {entry.get('class')!r}")
+        layer = cls.__new__(cls)
+        for key, value in entry["attrs"].items():
+            setattr(layer, key, tensors[value["tensor"]] if isinstance(value, dict) else value)
+        out.append(layer)
+    state = ModelState(out)
+    state.num_tokens = num_tokens
+    state.tokens = None if tokens is None else list(tokens)
+    return state

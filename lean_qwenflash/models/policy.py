@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..common import EXPERT_KERNELS, KERNEL_ISAS
+from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES
 
 # Idle-worker spin (pause instructions) of the native pool during a CPU decode step, where torch
 # runs on one thread and the kernels are called ~100 times per step (csrc/moe.cpp).
@@ -67,7 +67,9 @@ class ExecPolicy:
     * ``torch_threads``: torch's intra-op threads for many-token steps (prefill) on CPU (None:
       leave torch's setting);
     * ``decode_torch_threads``: torch's intra-op threads during one-token CPU steps (None: leave
-      torch's setting), with the native pool's idle spin set to ``decode_spin`` meanwhile.
+      torch's setting), with the native pool's idle spin set to ``decode_spin`` meanwhile;
+    * ``kv_cache_dtype``: how attention layers store keys and values (f32 as computed, f16, bf16, or
+      GGUF's q8_0 / q4_0 blocks dequantized inside attention; see ``layers.attention``).
 
     The thread counts are one budget (``from_config``): torch and the native kernels take turns on
     the same cores, never more threads than the cores this process may use.
@@ -80,8 +82,11 @@ class ExecPolicy:
     torch_threads: Optional[int] = None
     decode_torch_threads: Optional[int] = None
     decode_spin: int = DECODE_SPIN
+    kv_cache_dtype: str = "f32"
 
     def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}; got {self.kv_cache_dtype!r}")
         if self.kernel_mode not in EXPERT_KERNELS or self.isa not in KERNEL_ISAS:
             raise ValueError(f"expert kernels must be one of {EXPERT_KERNELS} and isa one of {KERNEL_ISAS}; "
                              f"got {self.kernel_mode!r}, {self.isa!r}")
@@ -92,8 +97,8 @@ class ExecPolicy:
     @classmethod
     def from_config(cls, cfg) -> "ExecPolicy":
         """The policy a runtime config asks for (``expert_kernels``, ``cpu_isa``, ``cpu_threads``,
-        ``device``). One thread budget on CPU: ``cpu_threads``, or the cores this process may use
-        (``available_cpus``: affinity and cgroup quota), for torch's many-token work and for the
+        ``device``, ``kv_cache_dtype``). One thread budget on CPU: ``cpu_threads``, or the cores this
+        process may use (``available_cpus``: affinity and cgroup quota), for torch's many-token work and for the
         native kernels alike. In fast mode one-token steps run torch on one thread and the native
         kernels on the budget: torch's small per-token ops are faster on one thread than fighting
         the kernels for the cores."""
@@ -102,7 +107,7 @@ class ExecPolicy:
         fast_cpu = cpu and cfg.expert_kernels == "fast"
         return cls(kernel_mode=cfg.expert_kernels, float_native=cfg.expert_kernels == "fast", isa=cfg.cpu_isa,
                    native_threads=budget if cpu else cfg.cpu_threads, torch_threads=budget if cpu else None,
-                   decode_torch_threads=1 if fast_cpu else None)
+                   decode_torch_threads=1 if fast_cpu else None, kv_cache_dtype=cfg.kv_cache_dtype)
 
     def with_kernels(self, mode: str, isa: Optional[str] = None) -> "ExecPolicy":
         """This policy with another kernel mode (float linears follow it) and optionally ISA."""

@@ -5,6 +5,16 @@ family's oddity is a small subclass that overrides one step: ``QueryGatedAttenti
 q_proj also yields an output gate), ``GateProjAttention`` (AfMoE: an output gate of its own),
 ``SinkAttention`` (GPT-OSS: per-head sink logits), ``FlatQKNormAttention`` (OLMoE: q/k norms over
 the whole projection, optional clipping).
+
+The KV cache stores keys and values as the policy's ``kv_cache_dtype`` says (``KV_CODECS``): f32
+(as computed), f16, bf16, or rows of GGUF's 32-value q8_0 / q4_0 blocks (a row whose width is not a
+multiple of 32 is padded with zeros to whole blocks). Attention reads the cache in blocks of
+``KV_BLOCK_KEYS`` keys with an online softmax (``blocked_attention``): each block is dequantized,
+scored and folded into a running (max, sum, accumulator), so a step's memory is
+O(queries x heads x KV_BLOCK_KEYS) whatever the context, and no full-precision copy of the cache is
+ever made. One-token steps on CPU run the same algorithm natively (``native.attention_decode``,
+csrc/attention.cpp). Exact mode with an f32 cache keeps SDPA (the bits of the first versions) while
+a step sees at most ``EXACT_MAX_KEYS`` keys; past that, and in fast mode, the blocked path runs.
 """
 from __future__ import annotations
 
@@ -14,8 +24,131 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lean_qwenflash.common import KV_CACHE_DTYPES
+from lean_qwenflash.models import kernels, native
 from lean_qwenflash.models.layers.linear import Linear
 from lean_qwenflash.models.layers.rope import apply_rotary
+from lean_qwenflash.models.policy import STANDALONE
+from lean_qwenflash.quant import ENCODINGS
+
+KV_BLOCK_KEYS = 256      # cached keys per step of the blocked (online-softmax) attention
+EXACT_MAX_KEYS = 4096    # exact mode, f32 cache: SDPA over at most this many keys per step
+
+
+class KVCodec:
+    """How a KV cache stores rows of ``dim`` values: floats (``f32``: as computed; ``f16``,
+    ``bf16``), or GGUF block rows (``q8_0``, ``q4_0``: uint8 [..., blocks * block_bytes], the row
+    padded with zeros to whole 32-value blocks) encoded with ``quant.legacy``'s quantizer."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.encoding = ENCODINGS[name] if name in ("q8_0", "q4_0") else None
+        self.dtype = {"f16": torch.float16, "bf16": torch.bfloat16}.get(name)
+
+    def padded(self, dim: int) -> int:
+        return dim if self.encoding is None else -(-dim // 32) * 32
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """float [..., dim] -> what the cache stores."""
+        if self.encoding is None:
+            return x if self.dtype is None else x.to(self.dtype)
+        pad = self.padded(x.shape[-1]) - x.shape[-1]
+        return self.encoding.quantize(F.pad(x, (0, pad)) if pad else x)
+
+    def decode(self, stored: torch.Tensor, dim: int) -> torch.Tensor:
+        """Stored rows [..., row] -> fp32 [..., dim] (only the rows passed: a block of the cache)."""
+        if self.encoding is None:
+            return stored.float()
+        return self.encoding.dequantize(stored, self.padded(dim))[..., :dim]
+
+    def native_id(self, stored: torch.Tensor) -> int:
+        if self.encoding is not None:
+            return self.encoding.native_id
+        return {torch.float32: ENCODINGS["f32"], torch.float16: ENCODINGS["f16"],
+                torch.bfloat16: ENCODINGS["bf16"]}[stored.dtype].native_id
+
+    def bytes_per_value_row(self, dim: int, compute_itemsize: int = 4) -> int:
+        """Bytes one cached row of ``dim`` values takes."""
+        if self.encoding is not None:
+            return self.padded(dim) // 32 * self.encoding.block_bytes
+        return dim * (compute_itemsize if self.dtype is None else 2)
+
+
+KV_CODECS = {name: KVCodec(name) for name in KV_CACHE_DTYPES}
+
+
+def kv_codec(name: str) -> KVCodec:
+    try:
+        return KV_CODECS[name]
+    except KeyError:
+        raise ValueError(f"kv_cache_dtype {name!r}: must be one of {', '.join(KV_CACHE_DTYPES)}") from None
+
+
+def blocked_attention(queries: list, keys: list, values, codec: KVCodec, *, scale: float, query_start: int,
+                      key_pos: Optional[torch.Tensor] = None, window: Optional[int] = None,
+                      sinks: Optional[torch.Tensor] = None, block: int = KV_BLOCK_KEYS) -> torch.Tensor:
+    """Causal attention by online softmax over blocks of ``block`` cached keys -> fp32 [B, H, T, Dv].
+
+    ``queries``: parts [B, H, T, d_i] whose scores add (one part; MLA: the latent and rope query),
+    at positions query_start .. query_start + T - 1. ``keys``: (stored [B, kv_heads, L, row], d_i)
+    per part, in the codec's storage; ``values``: (stored, Dv), or 0 for "the first key part" (MLA's
+    latent: dequantized once per block). ``key_pos`` [L]: the keys' positions (-1: empty; a ring),
+    None for 0..L-1 (then blocks wholly after the last query, or before the window, are skipped).
+    ``window`` W: key j is visible from query i iff i - W < j <= i. ``sinks`` [H]: one more key per
+    head, of that logit and a zero value. Per block only [B, H, T, block] scores and one block of
+    dequantized keys and values exist.
+    """
+    batch, heads, num_q = queries[0].shape[:3]
+    kv_heads, length = keys[0][0].shape[1], keys[0][0].shape[2]
+    group, rows = heads // kv_heads, heads // kv_heads * num_q
+    device = queries[0].device
+    qs = [q.float().reshape(batch, kv_heads, rows, q.shape[-1]) for q in queries]   # row = (head in group, t)
+    dv = keys[0][1] if isinstance(values, int) else values[1]
+    qpos = torch.arange(query_start, query_start + num_q, device=device).repeat(group)[:, None]
+    if sinks is None:
+        m = torch.full((batch, kv_heads, rows, 1), float("-inf"), device=device)
+        l = torch.zeros(batch, kv_heads, rows, 1, device=device)
+    else:   # the sink's key: logit sinks[h], weight exp(sink - m), value zero
+        m = sinks.float().view(1, kv_heads, group, 1).expand(batch, kv_heads, group, num_q).reshape(batch, kv_heads, rows, 1)
+        l = torch.ones(batch, kv_heads, rows, 1, device=device)
+    acc = torch.zeros(batch, kv_heads, rows, dv, device=device)
+    last_q = query_start + num_q - 1
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        if key_pos is None:
+            if start > last_q:
+                break
+            if window is not None and end - 1 <= query_start - window:
+                continue
+            kp = torch.arange(start, end, device=device)
+        else:
+            kp = key_pos[start:end]
+        visible = (kp[None, :] <= qpos) & (kp[None, :] >= 0)
+        if window is not None:
+            visible &= kp[None, :] > qpos - window
+        blocks = [codec.decode(stored[:, :, start:end], dim) for stored, dim in keys]
+        scores = qs[0] @ blocks[0].transpose(-1, -2)
+        for q, kb in zip(qs[1:], blocks[1:]):
+            scores += q @ kb.transpose(-1, -2)
+        scores.mul_(scale).masked_fill_(~visible, float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)     # rows that saw nothing yet
+        p = scores.sub_(m_safe).exp_()
+        alpha = (m - m_safe).exp_()
+        l = l * alpha + p.sum(-1, keepdim=True)
+        vb = blocks[0] if isinstance(values, int) else codec.decode(values[0][:, :, start:end], dv)
+        acc = acc.mul_(alpha).add_(p @ vb)
+        m = m_new
+    out = acc / l
+    return out.view(batch, kv_heads, group, num_q, dv).reshape(batch, heads, num_q, dv)
+
+
+def native_decode_ok(q: torch.Tensor, *stored: torch.Tensor) -> bool:
+    """Whether a one-token step can take the native kernel: CPU, one sequence, rows it reads."""
+    return (native.available() and q.device.type == "cpu" and q.shape[0] == 1 and q.shape[2] == 1
+            and all(t.device.type == "cpu" and t.stride(-1) == 1 and t.dtype in (torch.uint8, torch.float32,
+                                                                                   torch.float16, torch.bfloat16)
+                    for t in stored))
 
 
 def causal_mask(num_queries: int, num_keys: int, device) -> tuple[Optional[torch.Tensor], bool]:
@@ -43,6 +176,7 @@ class Attention(nn.Module):
     """
 
     q_parts = 1          # q_proj rows per head, in head_dim units
+    ctx = STANDALONE     # the model's ExecContext (CausalLM binds it): kernel mode, kv_cache_dtype
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  bias: bool = False, o_bias: Optional[bool] = None,
@@ -73,15 +207,25 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(batch, num_tokens, -1)
         return self.o_proj(self.output_gate(out, x, gate))
 
-    def query(self, x: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """q_proj's output and the output gate's logits it carries (None: none)."""
-        return self.q_proj(x), None
+    def query(self, q: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The queries and the output gate's logits (None: none) from q_proj's output ``q``."""
+        return q, None
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q_proj, k_proj and v_proj of x: one native call for a decode step in fast mode
+        (``kernels.linears``: x quantized once, one parallel run), else the three modules."""
+        mods = (self.q_proj, self.k_proj, self.v_proj)
+        if x.shape[-2] == 1:
+            fused = kernels.linears(x, mods, self.q_proj.ctx)
+            if fused is not None:
+                return tuple(fused)
+        return tuple(m(x) for m in mods)
 
     def project(self, x: torch.Tensor):
         """x [B, T, H] -> q [B, T, heads, D], k and v [B, T, kv_heads, D] (q and k normalised per
         head when there is a q/k norm), and the output gate's logits or None."""
-        q, gate = self.query(x)
-        k, v = self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv(x)
+        q, gate = self.query(q)
         q, k, v = self.split_heads(q, k, v)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -96,8 +240,51 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state) -> torch.Tensor:
         """q [B, heads, T, D] over the cached keys and values plus k, v -> [B, heads, T, D]."""
-        if self.sliding_window is not None:
-            return self.masked_attend(q, k, v, state)
+        return self.attention(q, k, v, state)
+
+    def attention(self, q, k, v, state, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The cache in the policy's kv_cache_dtype; SDPA (exact mode, f32 cache, at most
+        EXACT_MAX_KEYS keys) or the blocked online softmax (native for one-token CPU steps)."""
+        policy = self.ctx.policy
+        codec = kv_codec(policy.kv_cache_dtype)
+        if codec.name == "f32" and policy.kernel_mode == "exact":
+            past = 0 if state is None else state.num_tokens
+            if self.sliding_window is not None:
+                past = min(past, self.sliding_window)
+            if past + q.shape[2] <= EXACT_MAX_KEYS:
+                if self.sliding_window is not None or sinks is not None:
+                    return self.masked_attend(q, k, v, state, sinks)
+                return self.sdpa_attend(q, k, v, state)
+        return self.blocked_attend(q, k, v, state, sinks, codec)
+
+    def blocked_attend(self, q, k, v, state, sinks, codec: KVCodec) -> torch.Tensor:
+        """k, v stored as ``codec`` says; attention by blocks of the cache (``blocked_attention``)."""
+        num_tokens, dim = q.shape[2], self.head_dim
+        k, v = codec.encode(k), codec.encode(v)
+        start, key_pos = 0, None
+        if state is None:
+            keys, values = k, v
+        elif self.sliding_window is not None:
+            start = state.num_tokens
+            keys, values, key_pos = state.attend(k, v)
+            if num_tokens == 1:     # the ring's filled slots (0..n-1) hold the window: all visible
+                n = min(state.num_tokens, self.sliding_window)
+                keys, values, key_pos = keys[:, :, :n], values[:, :, :n], key_pos[:n]
+        else:
+            start = state.num_tokens
+            keys, values = state.append(k, v)
+        scale = self.head_dim ** -0.5
+        if native_decode_ok(q, keys, values):
+            policy = self.ctx.policy
+            out = native.attention_decode(q[0, :, 0].float().contiguous(), [(keys[0], codec.native_id(keys), dim)],
+                                          (values[0], codec.native_id(values), dim), keys.shape[2], scale, sinks,
+                                          policy.isa, policy.native_threads)
+            return out.view(1, self.num_heads, 1, dim).to(q.dtype)
+        return blocked_attention([q], [(keys, dim)], (values, dim), codec, scale=scale, query_start=start,
+                                 key_pos=key_pos, window=self.sliding_window, sinks=sinks).to(q.dtype)
+
+    def sdpa_attend(self, q, k, v, state) -> torch.Tensor:
+        """Full-precision keys and values, SDPA over the whole cache (exact mode's short path)."""
         if state is not None:
             k, v = state.append(k, v)
         mask, causal = causal_mask(q.shape[2], k.shape[2], q.device)
@@ -150,7 +337,7 @@ class SinkAttention(Attention):
         self.sinks = nn.Parameter(torch.zeros(num_heads))
 
     def attend(self, q, k, v, state) -> torch.Tensor:
-        return self.masked_attend(q, k, v, state, self.sinks)
+        return self.attention(q, k, v, state, self.sinks)
 
 
 class QueryGatedAttention(Attention):
@@ -159,9 +346,9 @@ class QueryGatedAttention(Attention):
 
     q_parts = 2
 
-    def query(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, num_tokens, _ = x.shape
-        q = self.q_proj(x).view(batch, num_tokens, self.num_heads, 2 * self.head_dim)
+    def query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, num_tokens, _ = q.shape
+        q = q.view(batch, num_tokens, self.num_heads, 2 * self.head_dim)
         q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
         return q, gate.reshape(batch, num_tokens, -1)
 
@@ -189,8 +376,7 @@ class FlatQKNormAttention(Attention):
         self.clip_qkv = clip_qkv
 
     def project(self, x: torch.Tensor):
-        q = self.q_proj(x)
-        k, v = self.k_proj(x), self.v_proj(x)
+        q, k, v = self.qkv(x)
         q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))

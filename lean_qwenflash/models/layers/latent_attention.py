@@ -7,10 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lean_qwenflash.models.layers.attention import causal_mask
+from lean_qwenflash.models import native
+from lean_qwenflash.models.layers.attention import EXACT_MAX_KEYS, blocked_attention, causal_mask, kv_codec, native_decode_ok
 from lean_qwenflash.models.layers.linear import Linear
 from lean_qwenflash.models.layers.norm import RMSNorm
 from lean_qwenflash.models.layers.rope import apply_rotary
+from lean_qwenflash.models.policy import STANDALONE
 
 
 class LatentAttention(nn.Module):
@@ -22,9 +24,14 @@ class LatentAttention(nn.Module):
     Attention runs on the latent directly ("absorbed"): ``kv_b_proj``'s key rows fold into the query
     (q_nope·W_k), its value rows apply after the softmax — equal in exact arithmetic to expanding
     every cached token's keys and values, without the per-step expansion of the whole cache.
+    The cache stores the latent and the rope key in the policy's ``kv_cache_dtype`` and attention
+    reads it as ``layers.attention`` does (SDPA in exact mode with an f32 cache up to
+    ``EXACT_MAX_KEYS`` keys; otherwise blocks with an online softmax, natively for one-token CPU steps).
     ``interleaved_rope``: the checkpoint's rope dims are (x0, x1) pairs; they are regrouped to the
     rotate-half layout first (an identical permutation of q and k leaves the scores unchanged).
     """
+
+    ctx = STANDALONE     # the model's ExecContext (CausalLM binds it)
 
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: Optional[int], kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, *, scaling: float,
@@ -60,17 +67,38 @@ class LatentAttention(nn.Module):
         cos, sin = rope
         q_rope = apply_rotary(self._regroup(q_rope), cos, sin)
         k_rope = apply_rotary(self._regroup(k_rope), cos, sin)
-        if state is not None:
-            latent, k_rope = state.append(latent, k_rope)                  # [B, 1, L, r], [B, 1, L, dr]
         if self.kv_b_proj.qweight is not None:
             raise NotImplementedError("a block-quantized kv_b_proj is not supported (keep it float)")
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_k, w_v = w[:, :self.nope], w[:, self.nope:]
         q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w_k)
-        query = torch.cat((q_latent, q_rope), dim=-1)
-        key = torch.cat((latent, k_rope), dim=-1)
-        mask, causal = causal_mask(num_tokens, key.shape[2], x.device)
-        out = F.scaled_dot_product_attention(query, key, latent, attn_mask=mask, is_causal=causal,
-                                             scale=self.scaling, enable_gqa=True)   # [B, H, T, r]
+        out = self.attend(q_latent, q_rope, latent, k_rope, state).to(q_latent.dtype)   # [B, H, T, r]
         out = torch.einsum("bhtr,hvr->bthv", out, w_v).reshape(batch, num_tokens, -1)
         return self.o_proj(out)
+
+    def attend(self, q_latent, q_rope, latent, k_rope, state) -> torch.Tensor:
+        """Absorbed attention: scores q_latent . c + q_rope . k_rope, values c -> [B, H, T, r]."""
+        policy = self.ctx.policy
+        codec = kv_codec(policy.kv_cache_dtype)
+        num_tokens = q_latent.shape[2]
+        past = 0 if state is None else state.num_tokens
+        if codec.name == "f32" and policy.kernel_mode == "exact" and past + num_tokens <= EXACT_MAX_KEYS:
+            if state is not None:
+                latent, k_rope = state.append(latent, k_rope)              # [B, 1, L, r], [B, 1, L, dr]
+            query = torch.cat((q_latent, q_rope), dim=-1)
+            key = torch.cat((latent, k_rope), dim=-1)
+            mask, causal = causal_mask(num_tokens, key.shape[2], query.device)
+            return F.scaled_dot_product_attention(query, key, latent, attn_mask=mask, is_causal=causal,
+                                                  scale=self.scaling, enable_gqa=True)
+        latent, k_rope = codec.encode(latent), codec.encode(k_rope)
+        if state is not None:
+            latent, k_rope = state.append(latent, k_rope)
+        r, dr = self.kv_lora_rank, self.rope_dim
+        if native_decode_ok(q_latent, latent, k_rope):
+            q = torch.cat((q_latent, q_rope), dim=-1)[0, :, 0].float().contiguous()
+            lid, rid = codec.native_id(latent), codec.native_id(k_rope)
+            out = native.attention_decode(q, [(latent[0], lid, r), (k_rope[0], rid, dr)], (latent[0], lid, r),
+                                          latent.shape[2], self.scaling, None, policy.isa, policy.native_threads)
+            return out.view(1, self.num_heads, 1, r)
+        return blocked_attention([q_latent, q_rope], [(latent, r), (k_rope, dr)], 0, codec, scale=self.scaling,
+                                 query_start=past)
