@@ -279,6 +279,10 @@ def pull(ref: str, out_dir=None, quant: Optional[str] = None, revision: str = "m
     if (pack_dir / "manifest.json").is_file() and not force:
         out(f"{repo_id}: already packed in {pack_dir} (--force packs it again)")
         return PullResult(pack_dir, p, [], False)
+    if pack_dir.exists() and not force:
+        # (checked before any download: a directory that is not a pack of ours is never replaced unasked)
+        raise FileExistsError(f"{pack_dir} already exists and is not a pack; choose another --out or pass "
+                              "--force to replace it")
     out(f"{repo_id}: {p.kind.upper() if p.kind == 'gguf' else 'Hugging Face checkpoint'} {p.label}, "
         f"{len(p.files)} file(s), {format_size(p.total_bytes)}"
         + (" (offline: from the download cache)" if offline_root else ""))
@@ -319,7 +323,7 @@ def pull(ref: str, out_dir=None, quant: Optional[str] = None, revision: str = "m
     src = paths[0] if p.kind == "gguf" else paths[0].parent
     out(f"packing {src} into {pack_dir}")
     pack_dir.parent.mkdir(parents=True, exist_ok=True)
-    pack(src, pack_dir, quant=quant, progress=progress, force=force or pack_dir.exists())
+    pack(src, pack_dir, quant=quant, progress=progress, force=force)
     return PullResult(pack_dir, p, paths, True)
 
 

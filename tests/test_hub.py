@@ -126,6 +126,17 @@ def test_pull_split_gguf_downloads_every_shard(hub, sources, tmp_path):
     assert m["layers"] and all(l["num_experts"] == 16 for l in m["layers"])
 
 
+def test_pull_never_replaces_a_directory_that_is_not_a_pack(hub, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    n = len(hub.requests)
+    r = _pull(_env(hub.url, tmp_path), "lqf/tiny-GGUF:f32", "--out", str(mine))
+    assert r.returncode == 2 and "already exists and is not a pack" in r.stderr and "--force" in r.stderr
+    assert (mine / "notes.txt").read_text() == "keep me"
+    assert not [q for q in hub.requests[n:] if "/resolve/" in q[1]]      # refused before downloading
+
+
 def test_missing_quant_lists_the_available_ones(hub, tmp_path):
     r = _pull(_env(hub.url, tmp_path), "lqf/tiny-GGUF:Q4_K_M")
     assert r.returncode == 2
