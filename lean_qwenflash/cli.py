@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .common import KV_CACHE_DTYPES
 from .config import format_size
 from .doctor import sizes_line
 from .quant.presets import PRESETS as QUANT_PRESETS
@@ -85,7 +86,7 @@ def cmd_inspect(args) -> int:
 def _runtime_config(args):
     from .config import load_config
     overrides = {"model": getattr(args, "model", None)}
-    for key in ("io_engine", "host_cache_bytes"):
+    for key in ("io_engine", "host_cache_bytes", "kv_cache_dtype"):
         if getattr(args, key, None) is not None:
             overrides[key] = getattr(args, key)
     if getattr(args, "no_prefetch", False):
@@ -293,6 +294,8 @@ def _add_runtime_args(p) -> None:
     p.add_argument("--model", help="pack directory (overrides the config's model; default: the built-in model)")
     p.add_argument("--io-engine", choices=["auto", "uring", "pread"], help="override io_engine")
     p.add_argument("--host-cache-bytes", help="override host_cache_bytes, e.g. 2GiB")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="override kv_cache_dtype (f32, f16, bf16, "
+                   "q8_0, q4_0): how attention stores keys and values")
     p.add_argument("--no-prefetch", action="store_true", help="turn layer-ahead prefetch off")
 
 

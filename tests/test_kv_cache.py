@@ -382,3 +382,16 @@ def test_config_key_validated_and_passed_to_the_policy(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         ExecPolicy(kv_cache_dtype="int8")
     assert math.isclose(KV_CODECS["q8_0"].bytes_per_value_row(128) / 512, 34 / 128)
+
+
+def test_kv_cache_dtype_from_the_command_line():
+    """serve --kv-cache-dtype and generate's runtime flag reach the config (and so ExecPolicy)."""
+    from lean_qwenflash.cli import _runtime_config, build_parser
+    from lean_qwenflash.server.main import serve_config
+    assert serve_config(kv_cache_dtype="q8_0").kv_cache_dtype == "q8_0"
+    assert serve_config().kv_cache_dtype == "f32"
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--kv-cache-dtype", "q4_0"])
+    assert _runtime_config(args).kv_cache_dtype == "q4_0"
+    assert ExecPolicy.from_config(_runtime_config(args)).kv_cache_dtype == "q4_0"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "q2_k"])
