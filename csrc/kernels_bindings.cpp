@@ -16,6 +16,14 @@ static T* ptr(uintptr_t a) {
     return reinterpret_cast<T*>(a);
 }
 
+// Addresses from Python as typed pointers (one per expert or matrix).
+template <typename T>
+static std::vector<T*> ptrs(const std::vector<uintptr_t>& a) {
+    std::vector<T*> out(a.size());
+    for (size_t i = 0; i < a.size(); ++i) out[i] = ptr<T>(a[i]);
+    return out;
+}
+
 PYBIND11_MODULE(_kernels, m) {
     m.doc() = "lean-qwenflash CPU kernels: quantized dot products, fused MoE decode, dequantization";
     m.def("supported_isas", &supported_isas, "ISAs this CPU can run, slowest first ('scalar' always).");
@@ -44,7 +52,6 @@ PYBIND11_MODULE(_kernels, m) {
     m.def(
         "gemv",
         [](uintptr_t w, int enc, int rows, int cols, uintptr_t x, uintptr_t out, int threads, const std::string& isa) {
-            require_tables(enc);
             py::gil_scoped_release nogil;
             gemv(ptr<const uint8_t>(w), enc, rows, cols, ptr<const float>(x), ptr<float>(out), threads, isa);
         },
@@ -54,11 +61,8 @@ PYBIND11_MODULE(_kernels, m) {
         "gemv_multi",
         [](const std::vector<uintptr_t>& w, const std::vector<int>& enc, const std::vector<int>& rows, int cols, uintptr_t x,
            const std::vector<uintptr_t>& out, int threads, const std::string& isa) {
-            std::vector<const uint8_t*> wp(w.size());
-            std::vector<float*> op(out.size());
-            for (size_t i = 0; i < w.size(); ++i) wp[i] = ptr<const uint8_t>(w[i]);
-            for (size_t i = 0; i < out.size(); ++i) op[i] = ptr<float>(out[i]);
-            for (int e : enc) require_tables(e);
+            const auto wp = ptrs<const uint8_t>(w);
+            const auto op = ptrs<float>(out);
             py::gil_scoped_release nogil;
             gemv_multi(wp, enc, rows, cols, ptr<const float>(x), op, threads, isa);
         },
@@ -68,11 +72,7 @@ PYBIND11_MODULE(_kernels, m) {
         "moe_decode",
         [](uintptr_t x, int hidden, int inter, const std::vector<uintptr_t>& gate_up, const std::vector<uintptr_t>& down,
            const std::vector<float>& weights, int gu_enc, int dn_enc, uintptr_t out, int threads, const std::string& isa) {
-            std::vector<const uint8_t*> gu(gate_up.size()), dn(down.size());
-            for (size_t i = 0; i < gu.size(); ++i) gu[i] = ptr<const uint8_t>(gate_up[i]);
-            for (size_t i = 0; i < dn.size(); ++i) dn[i] = ptr<const uint8_t>(down[i]);
-            require_tables(gu_enc);
-            require_tables(dn_enc);
+            const auto gu = ptrs<const uint8_t>(gate_up), dn = ptrs<const uint8_t>(down);
             py::gil_scoped_release nogil;
             moe_decode(ptr<const float>(x), hidden, inter, gu, dn, weights, gu_enc, dn_enc, ptr<float>(out), threads, isa);
         },
@@ -83,11 +83,7 @@ PYBIND11_MODULE(_kernels, m) {
         [](uintptr_t x, int hidden, int inter, const std::vector<uintptr_t>& gate_up, const std::vector<uintptr_t>& down,
            uintptr_t counts, uintptr_t tokens, uintptr_t weights, int gu_enc, int dn_enc, uintptr_t out, int threads,
            const std::string& isa) {
-            std::vector<const uint8_t*> gu(gate_up.size()), dn(down.size());
-            for (size_t i = 0; i < gu.size(); ++i) gu[i] = ptr<const uint8_t>(gate_up[i]);
-            for (size_t i = 0; i < dn.size(); ++i) dn[i] = ptr<const uint8_t>(down[i]);
-            require_tables(gu_enc);
-            require_tables(dn_enc);
+            const auto gu = ptrs<const uint8_t>(gate_up), dn = ptrs<const uint8_t>(down);
             py::gil_scoped_release nogil;
             moe_prefill(ptr<const float>(x), hidden, inter, gu, dn, ptr<const int>(counts), ptr<const int>(tokens),
                         ptr<const float>(weights), gu_enc, dn_enc, ptr<float>(out), threads, isa);
@@ -133,7 +129,6 @@ PYBIND11_MODULE(_kernels, m) {
         "route_softmax",
         [](uintptr_t w, int enc, int experts, int hidden, uintptr_t x, uintptr_t bias, int top_k, bool renorm,
            bool by_rank, int threads, const std::string& isa) {
-            require_tables(enc);
             py::gil_scoped_release nogil;
             return route_softmax(ptr<const uint8_t>(w), enc, experts, hidden, ptr<const float>(x),
                                  bias ? ptr<const float>(bias) : nullptr, top_k, renorm, by_rank, threads, isa);
@@ -144,7 +139,6 @@ PYBIND11_MODULE(_kernels, m) {
     m.def(
         "dequantize",
         [](uintptr_t src, int enc, int rows, int cols, uintptr_t dst, int threads) {
-            require_tables(enc);
             py::gil_scoped_release nogil;
             dequantize(ptr<const uint8_t>(src), enc, rows, cols, ptr<float>(dst), threads);
         },

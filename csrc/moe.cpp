@@ -217,6 +217,7 @@ static void check_cols(int enc, int cols, const char* what) {
     if (cols <= 0 || cols % enc_block_values(enc))
         throw std::invalid_argument(std::string(what) + ": row length " + std::to_string(cols) +
                                     " is not a multiple of the encoding's block of " + std::to_string(enc_block_values(enc)));
+    require_tables(enc);     // the IQ types: their grids must have been handed over (quant_types.cpp)
 }
 
 // Rows per task: contiguous runs long enough for the prefetchers (16 rows -> 64: 15.9 -> 17.3 GB/s

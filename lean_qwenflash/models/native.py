@@ -40,7 +40,7 @@ if _K is not None:
 _FLOAT_IDS = {ENCODINGS[n].torch_dtype: ENCODINGS[n].native_id for n in ("f32", "f16", "bf16")}
 # The encoding ids this build of the extension has kernels for (csrc/quant.h's Enc); an encoding
 # outside it runs on torch (dequantize, then multiply). Builds that do not list them have the first 8.
-NATIVE_IDS = frozenset(_K.encoding_ids()) if hasattr(_K, "encoding_ids") else frozenset(range(8) if _K else ())
+NATIVE_IDS = frozenset(_K.encoding_ids()) if _K is not None else frozenset()
 
 
 def knows(encoding) -> bool:

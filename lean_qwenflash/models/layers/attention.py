@@ -35,6 +35,9 @@ KV_BLOCK_KEYS = 256      # cached keys per step of the blocked (online-softmax) 
 EXACT_MAX_KEYS = 4096    # exact mode, f32 cache: SDPA over at most this many keys per step
 
 
+_FLOAT_NATIVE_IDS = {d: ENCODINGS[n].native_id for d, n in ((torch.float32, "f32"), (torch.float16, "f16"),
+                                                            (torch.bfloat16, "bf16"))}
+
 class KVCodec:
     """How a KV cache stores rows of ``dim`` values: floats (``f32``: as computed; ``f16``,
     ``bf16``), or GGUF block rows (``q8_0``, ``q4_0``: uint8 [..., blocks * block_bytes], the row
@@ -64,8 +67,7 @@ class KVCodec:
     def native_id(self, stored: torch.Tensor) -> int:
         if self.encoding is not None:
             return self.encoding.native_id
-        return {torch.float32: ENCODINGS["f32"], torch.float16: ENCODINGS["f16"],
-                torch.bfloat16: ENCODINGS["bf16"]}[stored.dtype].native_id
+        return _FLOAT_NATIVE_IDS[stored.dtype]
 
     def bytes_per_value_row(self, dim: int, compute_itemsize: int = 4) -> int:
         """Bytes one cached row of ``dim`` values takes."""
