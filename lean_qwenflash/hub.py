@@ -194,11 +194,12 @@ def _is_network_error(exc: Exception) -> bool:
                                                                                 "urllib3"))
 
 
-def list_remote(repo_id: str, revision: str, token) -> tuple[list, str]:
-    """(files with sizes, commit hash) from the hub's model info."""
-    from huggingface_hub import HfApi, errors
+def _hub_call(repo_id: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a huggingface_hub call) with its HTTP and network errors explained
+    for ``repo_id``; offline mode's own error passes through."""
+    from huggingface_hub import errors
     try:
-        info = HfApi(endpoint=_endpoint(), token=token).model_info(repo_id, revision=revision, files_metadata=True)
+        return fn(*args, **kwargs)
     except errors.OfflineModeIsEnabled:
         raise
     except errors.HfHubHTTPError as e:
@@ -207,6 +208,13 @@ def list_remote(repo_id: str, revision: str, token) -> tuple[list, str]:
         if _is_network_error(e):
             raise _explain(e, repo_id) from None
         raise
+
+
+def list_remote(repo_id: str, revision: str, token) -> tuple[list, str]:
+    """(files with sizes, commit hash) from the hub's model info."""
+    from huggingface_hub import HfApi
+    info = _hub_call(repo_id, HfApi(endpoint=_endpoint(), token=token).model_info, repo_id, revision=revision,
+                     files_metadata=True)
     files = [RepoFile(s.rfilename, s.size) for s in (info.siblings or [])]
     return files, info.sha or revision
 
@@ -304,17 +312,10 @@ def pull(ref: str, out_dir=None, quant: Optional[str] = None, revision: str = "m
             if offline_root is not None:
                 paths.append(offline_root / f.name)
                 continue
-            try:
-                # By the asked revision (a branch name is written to the cache's refs/, which offline mode
-                # reads); the HEAD names the commit, the listing's.
-                paths.append(Path(hf_hub_download(repo_id, f.name, revision=revision, token=token,
-                                                  endpoint=_endpoint())))
-            except errors.HfHubHTTPError as e:
-                raise _explain(e, repo_id) from None
-            except Exception as e:
-                if _is_network_error(e):
-                    raise _explain(e, repo_id) from None
-                raise
+            # By the asked revision (a branch name is written to the cache's refs/, which offline mode
+            # reads); the HEAD names the commit, the listing's.
+            paths.append(Path(_hub_call(repo_id, hf_hub_download, repo_id, f.name, revision=revision, token=token,
+                                        endpoint=_endpoint())))
     finally:
         if not progress:
             enable_progress_bars()

@@ -126,13 +126,21 @@ class Trace:
     header: dict
     records: list              # [(layer, (ids...)), ...]
     truncated: bool = False
+    _steps: Optional[list] = field(default=None, repr=False, compare=False)
+    _decode_steps: Optional[list] = field(default=None, repr=False, compare=False)
 
     @property
     def record_bytes(self) -> dict:
         return {int(k): v for k, v in self.header["record_bytes"].items()}
 
     def steps(self) -> list:
-        """The records split into forward passes: [[record index, ...], ...]."""
+        """The records split into forward passes: [[record index, ...], ...] (computed once: a
+        trace is read, never changed)."""
+        if self._steps is None:
+            self._steps = self._split_steps()
+        return self._steps
+
+    def _split_steps(self) -> list:
         out, prev, prev_n = [], None, 0
         group = self.header.get("host_slots") or 0
         for i, (layer, ids) in enumerate(self.records):
@@ -143,12 +151,11 @@ class Trace:
             prev, prev_n = layer, len(ids)
         return out
 
-    def acquires(self, group: int, _unused=None, decode_steps=None) -> tuple[list, set]:
+    def acquires(self, group: int) -> tuple[list, set]:
         """The acquires a provider holding ``group`` records at once would see: a step's
         consecutive records of one layer (a prefill's groups) joined, then split in groups of
         ``group`` as ``routed_experts`` does. Returns (acquires, indices of decode ones)."""
-        decode_steps = self.decode_steps() if decode_steps is None else decode_steps
-        dec_first = {s[0] for s in decode_steps}
+        dec_first = {s[0] for s in self.decode_steps()}
         out, dec = [], set()
         for step in self.steps():
             is_dec = step[0] in dec_first
@@ -167,10 +174,13 @@ class Trace:
         return out, dec
 
     def decode_steps(self) -> list:
-        n_layers, k = len(self.header["layers"]), self.header["top_k"]
-        return [s for s in self.steps()
-                if len(s) == n_layers and all(len(self.records[i][1]) <= k for i in s)
-                and len({self.records[i][0] for i in s}) == n_layers]
+        """The steps that are one decode token: every MoE layer once, at most top-k ids each."""
+        if self._decode_steps is None:
+            n_layers, k = len(self.header["layers"]), self.header["top_k"]
+            self._decode_steps = [s for s in self.steps()
+                                  if len(s) == n_layers and all(len(self.records[i][1]) <= k for i in s)
+                                  and len({self.records[i][0] for i in s}) == n_layers]
+        return self._decode_steps
 
 
 def read_trace(path) -> Trace:
@@ -230,9 +240,8 @@ def simulate(trace: Trace, slots: int, policy: str = "lru") -> SimResult:
         raise TraceError(f"a cache of {slots} records is below one layer's top-k ({k}); the runtime refuses it")
     rb = trace.record_bytes
     res = SimResult(policy, slots)
-    decode_steps = trace.decode_steps()
-    res.decode_tokens = len(decode_steps)
-    acquires, decode = trace.acquires(slots, {id(s) for s in decode_steps}, decode_steps)
+    res.decode_tokens = len(trace.decode_steps())
+    acquires, decode = trace.acquires(slots)
     cached: set = set()
     evictable: "OrderedDict" = OrderedDict()   # lru: least recently released first
     heap: list = []                            # lfu / opt: (priority..., key), checked lazily
@@ -343,7 +352,7 @@ def suggest_cache(trace: Trace, target_hit_rate: float = 0.9, limit_bytes: Optio
             hi, best = mid, r
         else:
             lo = mid + 1
-    return hi * slot, simulate(trace, hi, "lru")
+    return hi * slot, best          # (best is always hi's simulation)
 
 
 __all__ = ["TraceWriter", "TraceError", "attach", "read_trace", "simulate", "replay_table", "suggest_cache",
