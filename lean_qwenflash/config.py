@@ -28,7 +28,7 @@ class ServerConfig:
     port: int = 8000
     api_key: Optional[str] = None
     max_queue: int = 8                  # waiting requests beyond the ones generating; more get 429
-    max_active: int = 4                 # generations decoded at once, one token each in turn (side
+    max_active: int = 4                 # generations decoded at once, stepped together (side
                                         # requests don't wait behind a long answer); 1 = strict FIFO
     max_request_bytes: int = 4 * 1024 * 1024
     prefix_cache_bytes: int = 512 * 1024 * 1024

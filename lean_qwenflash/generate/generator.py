@@ -123,6 +123,9 @@ def continuation_ids(encode, prompt_ids: Sequence[int], prompt_text: Optional[st
     return encode(text)
 
 
+_NEEDS_LOGITS = object()     # what a decode step yields to its driver: "feed my token, send me the logits"
+
+
 class Generation:
     """One running generation. Iterating yields token ids; ``step()`` advances by one unit of work
     (a prefill chunk or one token) and returns the new token id or None.
@@ -167,6 +170,7 @@ class Generation:
         self._boundary: Optional[ModelState] = None
         self._closed = False
         self._stepped = False
+        self._next_input: Optional[int] = None      # the token a decode step feeds next
         self._steps = self._run()
         for hook in self.hooks:
             hook.start(self)
@@ -194,18 +198,32 @@ class Generation:
 
     def step(self) -> Optional[int]:
         """One unit of work; the new token id, or None (a prefill chunk, or the end: see ``done``)."""
+        out = self._advance(None)
+        if out is _NEEDS_LOGITS:
+            out = self._advance(self.generator.feed([self._next_input], self.state))
+        return out
+
+    def _advance(self, logits: Optional[torch.Tensor]):
+        """Run the loop to its next stop: a token id, None, or ``_NEEDS_LOGITS`` (a decode step
+        waits for the logits after ``_next_input``: ``step`` computes them alone,
+        ``Generator.step_all`` for several generations in one forward); ``logits`` answers the
+        previous ``_NEEDS_LOGITS``."""
         if self.done:
             return None
         self._stepped = True
         try:
-            return next(self._steps)
+            return next(self._steps) if logits is None else self._steps.send(logits)
         except StopIteration:
             self.done = True
             return None
         except BaseException:
-            self.done = True
-            self.finish_reason = self.finish_reason or "error"
+            self.fail()
             raise
+
+    def fail(self) -> None:
+        """End with finish_reason "error" (a step raised: the state may be half-updated)."""
+        self.done = True
+        self.finish_reason = self.finish_reason or "error"
 
     def stop(self, reason: str = "stop") -> None:
         """End before the next token is computed; ``reason`` becomes ``finish_reason``."""
@@ -349,7 +367,8 @@ class Generation:
                 return
             if step + 1 == self.max_new_tokens:
                 break
-            logits = gen.feed([token], state)
+            self._next_input = token
+            logits = yield _NEEDS_LOGITS            # gen.feed([token], state), alone or batched
             if cache is not None and state.num_tokens % gen.block_tokens == 0:
                 self._boundary = state.clone()
         self.finish_reason = "length"
@@ -396,6 +415,53 @@ class Generator:
         if state.tokens is not None:
             state.tokens.extend(int(t) for t in token_ids)
         return logits
+
+    def feed_rows(self, token_ids: Sequence[int], states: Sequence[ModelState]) -> torch.Tensor:
+        """One token into each of several states in one forward (``CausalLM.forward_rows``); the
+        logits [B, V] after each."""
+        if len(token_ids) == 1:
+            return self.feed(token_ids, states[0])[None]
+        ids = torch.tensor([int(t) for t in token_ids], dtype=torch.long, device=self.device)
+        logits = self.model.forward_rows(ids, list(states))
+        for state, token in zip(states, token_ids):
+            if state.tokens is not None:
+                state.tokens.append(int(token))
+        return logits
+
+    def step_all(self, generations: Sequence[Generation]) -> list:
+        """One unit of work for each generation, the decode steps together: every generation that
+        is decoding feeds its token in one ``feed_rows`` forward (the experts its rows share are
+        acquired once), one that is prefilling runs its next chunk. Returns, per generation, the new
+        token id, None (a prefill chunk, or it ended) or the exception its step raised (the
+        generation is then done, finish_reason "error"; the others went on)."""
+        results: list = [None] * len(generations)
+        waiting = []
+        for i, g in enumerate(generations):
+            try:
+                out = g._advance(None)
+            except Exception as exc:
+                results[i] = exc
+                continue
+            if out is _NEEDS_LOGITS:
+                waiting.append(i)
+            else:
+                results[i] = out
+        if not waiting:
+            return results
+        try:
+            logits = self.feed_rows([generations[i]._next_input for i in waiting],
+                                    [generations[i].state for i in waiting])
+        except Exception as exc:
+            for i in waiting:
+                generations[i].fail()
+                results[i] = exc
+            return results
+        for row, i in enumerate(waiting):
+            try:
+                results[i] = generations[i]._advance(logits[row])
+            except Exception as exc:
+                results[i] = exc
+        return results
 
     def prefill(self, token_ids: Sequence[int], state: ModelState) -> torch.Tensor:
         """Feed ``token_ids`` into ``state`` in chunks; returns the logits [V] after the last one."""

@@ -37,6 +37,40 @@ class DecoderLayer(nn.Module):
         x = x + mixer(self.input_layernorm(x), rope, state)
         return x + mlp(self.post_attention_layernorm(x))
 
+    # The two branches as steps (``forward_rows``); ``forward`` inlines them (the hot path).
+    def mixer_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.input_layernorm(x)
+
+    def mixer_out(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(x)
+
+    def mlp_out(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    def forward_rows(self, x: torch.Tensor, ropes: list, states: list, row_exact: bool) -> torch.Tensor:
+        """One token of each of B sequences, x [B, 1, H], each continuing its own layer state
+        (``states``) at its own position (``ropes``). The mixer runs per sequence (its own cache);
+        the MLP sees all rows at once: a sparse block acquires each expert once for the rows that
+        chose it. ``row_exact``: every row keeps the bits it has decoded alone (per-row arithmetic,
+        shared acquires); otherwise the rows go through the projections (a mixer with
+        ``forward_rows``) and the MLP as one batch (one kernel call each)."""
+        mixer, mlp = self._blocks
+        if not row_exact:
+            if hasattr(mixer, "forward_rows"):
+                x = x + self.mixer_out(mixer.forward_rows(self.mixer_in(x), ropes, states))
+            else:
+                x = x + torch.cat([self.mixer_out(mixer(self.mixer_in(x[b:b + 1]), ropes[b], states[b]))
+                                   for b in range(x.shape[0])])
+            return x + self.mlp_out(mlp(self.mlp_in(x)))
+        rows = [x[b:b + 1] + self.mixer_out(mixer(self.mixer_in(x[b:b + 1]), ropes[b], states[b]))
+                for b in range(x.shape[0])]
+        ins = [self.mlp_in(r) for r in rows]
+        outs = mlp.forward_rows(ins) if isinstance(mlp, SparseMoeBlock) else [mlp(i) for i in ins]
+        return torch.cat([r + self.mlp_out(o) for r, o in zip(rows, outs)])
+
 
 class SandwichDecoderLayer(DecoderLayer):
     """Pre- and post-norms around both branches (AfMoE): ``x + post_attn(mixer(pre_attn(x)))`` then
@@ -51,6 +85,15 @@ class SandwichDecoderLayer(DecoderLayer):
         mixer, mlp = self._blocks
         x = x + self.post_attention_layernorm(mixer(self.input_layernorm(x), rope, state))
         return x + self.post_mlp_layernorm(mlp(self.pre_mlp_layernorm(x)))
+
+    def mixer_out(self, y: torch.Tensor) -> torch.Tensor:
+        return self.post_attention_layernorm(y)
+
+    def mlp_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pre_mlp_layernorm(x)
+
+    def mlp_out(self, y: torch.Tensor) -> torch.Tensor:
+        return self.post_mlp_layernorm(y)
 
 
 class CausalLM(nn.Module):
@@ -117,27 +160,63 @@ class CausalLM(nn.Module):
             block.provider = provider
 
     def forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
-        """Logits [B, T, V] (see ``_forward``). One-token CPU steps run torch on the policy's
-        ``decode_torch_threads`` (with the native kernels doing the heavy products on their own
-        threads, torch's small per-token ops run faster on one thread than fighting them for the
-        cores: q4_k_m decode 35 -> 43 tok/s) and keep the native pool spinning meanwhile."""
+        """Logits [B, T, V] (see ``_forward``), on the policy's threads (``_on_threads``)."""
+        return self._on_threads(input_ids, self._forward, input_ids, state, last_logits_only)
+
+    def forward_rows(self, input_ids: torch.Tensor, states: list) -> torch.Tensor:
+        """One decode step of several sequences at once: ``input_ids`` [B] (the next token of each),
+        ``states`` their B ``ModelState``s (different lengths; each updated in place). Returns the
+        logits [B, V]. Attention and recurrent state run per sequence, the MLPs over all rows (see
+        ``DecoderLayer.forward_rows``). In exact mode each row has the bits of ``forward`` on that
+        sequence alone; in fast mode the rows share kernel calls (experts, dense MLPs, the head)."""
+        return self._on_threads(input_ids.view(-1, 1), self._forward_rows, input_ids.view(-1, 1), states)
+
+    def _on_threads(self, input_ids: torch.Tensor, fn, *args):
+        """``fn(*args)`` with torch on the policy's threads for this input. One-token CPU steps
+        (decode, also of several sequences) run torch on ``decode_torch_threads`` (with the native
+        kernels doing the heavy products on their own threads, torch's small per-token ops run
+        faster on one thread than fighting them for the cores: q4_k_m decode 35 -> 43 tok/s) and
+        keep the native pool spinning meanwhile."""
         policy = self.exec.policy
         if input_ids.device.type != "cpu":
-            return self._forward(input_ids, state, last_logits_only)
+            return fn(*args)
         one_token = input_ids.shape[-1] == 1
         threads = policy.decode_torch_threads if one_token else policy.torch_threads
         saved = torch.get_num_threads()
         if not threads or saved == threads:
-            return self._forward(input_ids, state, last_logits_only)
+            return fn(*args)
         torch.set_num_threads(threads)
         # torch on one thread for a decode step: keep the native workers awake across its many calls
         spin = native.set_spin(policy.decode_spin) if one_token and policy.decode_torch_threads else None
         try:
-            return self._forward(input_ids, state, last_logits_only)
+            return fn(*args)
         finally:
             if spin is not None:
                 native.set_spin(spin)
             torch.set_num_threads(saved)
+
+    def _forward_rows(self, input_ids: torch.Tensor, states: list) -> torch.Tensor:
+        if len(states) != input_ids.shape[0]:
+            raise ValueError(f"forward_rows: {input_ids.shape[0]} tokens for {len(states)} states")
+        row_exact = self.exec.policy.kernel_mode == "exact"
+        x = self.model.embed_tokens(input_ids)             # [B, 1, H]
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        ropes = [None] * len(states)
+        if self.rotary is not None:
+            ropes = [self.rotary.tables(s.num_tokens, 1, x.dtype, x.device) for s in states]
+        for i, layer in enumerate(self._layers):
+            x = layer.forward_rows(x, ropes, [s.layers[i] for s in states], row_exact)
+        for s in states:
+            s.num_tokens += 1
+        if row_exact:
+            return torch.cat([self._head(self.model.norm(x[b:b + 1])) for b in range(x.shape[0])])[:, -1]
+        return self._head(self.model.norm(x))[:, -1]
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return self.model.embed_tokens.as_head(x)
+        return self.lm_head(x)
 
     def _forward(self, input_ids: torch.Tensor, state=None, last_logits_only: bool = False) -> torch.Tensor:
         """Logits for ``input_ids`` [B, T] that continue ``state`` (a ``ModelState``, updated in place).
@@ -160,7 +239,4 @@ class CausalLM(nn.Module):
             state.num_tokens = num_past + num_tokens
         if last_logits_only:
             x = x[:, -1:]
-        x = self.model.norm(x)
-        if self.lm_head is None:
-            return self.model.embed_tokens.as_head(x)
-        return self.lm_head(x)
+        return self._head(self.model.norm(x))

@@ -8,9 +8,12 @@ events back to the job's asyncio loop: ``("delta", [deltas])`` as text appears, 
 of the queue at once (it never starts, and frees its place), and a running one stops before its
 next step: a prefill chunk or a token.
 
-Scheduling: up to ``max_active`` generations run at once, each advanced by one step (a prefill
-chunk or one token) in turn, so a short side request (an agent's title or summary) finishes in
-about its own time instead of waiting behind a long answer. Jobs beyond that wait in FIFO order.
+Scheduling: up to ``max_active`` generations run at once, all advanced by one step per round
+(``Generator.step_all``): the ones decoding feed their next tokens in one forward (rows of different
+sequences share each expert's acquire, so an expert read for one stream serves the others), one
+still prefilling runs its next chunk beside them. A short side request (an agent's title or
+summary) finishes in about its own time instead of waiting behind a long answer, and a new prompt
+delays the others by at most one chunk per round. Jobs beyond that wait in FIFO order.
 With a memory budget (``context_budget``), a job also waits until the peak memory of its state
 (prompt + max_new_tokens, ``ContextCost.peak_bytes``) fits beside the running ones' reservations;
 a job alone always runs (the service refuses prompts past what fits alone, with a 400).
@@ -97,11 +100,14 @@ class _Run:
         self.t_start = time.perf_counter()
         self.t_prefill = self.t_first = self.t_last = None
 
-    def step(self) -> None:
+    # A step is ``before``, then ``Generator.step_all`` over the engine's runs, then ``after``.
+    def before(self) -> None:
+        if self.job.cancelled.is_set():
+            self.generation.stop("cancelled")
+
+    def after(self, token: Optional[int]) -> None:
+        """Account for the step's outcome: the prefill's end, a token (its text to the client)."""
         job, g, m = self.job, self.generation, self.metrics
-        if job.cancelled.is_set():
-            g.stop("cancelled")
-        token = g.step()
         if self.t_prefill is None and g.prefilled:
             self.t_prefill = time.perf_counter()
         if token is not None:
@@ -200,7 +206,7 @@ def engine_options(runtime, cfg, model_context: Optional[int] = None) -> dict:
 
 
 class Engine:
-    """Owns the model: one worker thread interleaves up to ``max_active`` generations."""
+    """Owns the model: one worker thread steps up to ``max_active`` generations together."""
 
     def __init__(self, model, prefill_chunk_tokens: int, max_queue: int, prefix_cache_bytes: int, metrics,
                  max_active: int = 4, snapshots: Optional[SnapshotDir] = None,
@@ -352,15 +358,21 @@ class Engine:
             with self._cond:
                 self._set_gauges()
                 runs = list(self._active)
-            for run in runs:            # one step each, in turn
+            for run in runs:
+                run.before()
+            # one step each, together: the decoding runs in one forward, a prefilling one its chunk
+            outcomes = self.generator.step_all([run.generation for run in runs])
+            for run, outcome in zip(runs, outcomes):
                 try:
-                    run.step()
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+                    run.after(outcome)
                     if run.generation.done:
                         run.finish()
                         self.metrics.prefix_cache_bytes.set(self.prefix_cache.used_bytes)
                         self.metrics.prefix_cache_entries.set(len(self.prefix_cache))
                 except Exception as exc:       # a failed generation must not take the worker down
-                    log.exception("generation failed")
+                    log.error("generation failed", exc_info=exc)
                     run.generation.done = True
                     run.job.emit("error", f"generation failed: {type(exc).__name__}")
                 if run.generation.done:

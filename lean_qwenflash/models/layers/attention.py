@@ -209,6 +209,23 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(batch, num_tokens, -1)
         return self.o_proj(self.output_gate(out, x, gate))
 
+    def forward_rows(self, x: torch.Tensor, ropes: list, states: list) -> torch.Tensor:
+        """One token of each of B sequences (x [B, 1, H]), each at its own position (``ropes``) over
+        its own cache (``states``): the projections and o_proj for all rows at once, rope and
+        attention per sequence."""
+        batch = x.shape[0]
+        q, k, v, gate = self.project(x)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        outs = []
+        for b, state in enumerate(states):
+            qb, kb = q[b:b + 1], k[b:b + 1]
+            if self.use_rope:
+                cos, sin = ropes[b]
+                qb, kb = apply_rotary(qb, cos, sin), apply_rotary(kb, cos, sin)
+            outs.append(self.attend(qb, kb, v[b:b + 1], state))
+        out = torch.cat(outs).transpose(1, 2).reshape(batch, 1, -1)
+        return self.o_proj(self.output_gate(out, x, gate))
+
     def query(self, q: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The queries and the output gate's logits (None: none) from q_proj's output ``q``."""
         return q, None

@@ -119,12 +119,30 @@ class GatedDeltaNet(nn.Module):
         return mixed, z, b, a
 
     def forward(self, x: torch.Tensor, rope=None, state=None) -> torch.Tensor:
-        batch, num_tokens, _ = x.shape
+        mixed, z, b, a = self._project(x)
+        return self._output(self._core(mixed, b, a, state, x.dtype), z)
+
+    def forward_rows(self, x: torch.Tensor, ropes, states: list) -> torch.Tensor:
+        """One token of each of B sequences (x [B, 1, H]): the projections and the output for all
+        rows at once, the convolution and the recurrent step per sequence on its own state."""
+        mixed, z, b, a = self._project(x)
+        core = torch.cat([self._core(mixed[i:i + 1], b[i:i + 1], a[i:i + 1], state, x.dtype)
+                          for i, state in enumerate(states)])
+        return self._output(core, z)
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        batch, num_tokens = core.shape[:2]
+        core = self.norm(core, z.reshape(batch, num_tokens, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(batch, num_tokens, -1))
+
+    def _core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, state, dtype: torch.dtype) -> torch.Tensor:
+        """The convolution and the gated delta rule over the projections -> [B, T, Hv, Dv] in ``dtype``
+        (``state`` updated)."""
+        batch, num_tokens, _ = mixed.shape
         ratio = self.num_v_heads // self.num_k_heads
         dk, dv, nk, nv = self.head_k_dim, self.head_v_dim, self.num_k_heads, self.num_v_heads
-        mixed, z, b, a = self._project(x)
         mixed = self._conv(mixed, state)
-        compute_dtype = torch.promote_types(x.dtype, torch.float32)   # fp32 at least, fp64 in tests
+        compute_dtype = torch.promote_types(dtype, torch.float32)   # fp32 at least, fp64 in tests
         q, k, v = mixed.to(compute_dtype).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q = _l2norm(q.reshape(batch, num_tokens, nk, dk)) * dk ** -0.5
         k = _l2norm(k.reshape(batch, num_tokens, nk, dk))
@@ -135,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(compute_dtype).exp() * F.softplus(a.to(compute_dtype) + self.dt_bias.to(compute_dtype))
         recurrent = state.recurrent if state is not None else None
         if recurrent is None:
-            recurrent = torch.zeros(batch, nv, dk, dv, dtype=compute_dtype, device=x.device)
+            recurrent = torch.zeros(batch, nv, dk, dv, dtype=compute_dtype, device=mixed.device)
         if num_tokens == 1 and state is not None:
             core = recurrent_gated_delta_rule(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
             core = core.unsqueeze(1)                                # [B, 1, Hv, Dv]
@@ -146,5 +164,4 @@ class GatedDeltaNet(nn.Module):
             core = core.transpose(1, 2)
         if state is not None:
             state.recurrent = recurrent
-        core = self.norm(core.to(x.dtype), z.reshape(batch, num_tokens, nv, dv))
-        return self.out_proj(core.reshape(batch, num_tokens, -1))
+        return core.to(dtype)

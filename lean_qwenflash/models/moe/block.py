@@ -28,10 +28,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     """
     num_tokens, top_k = indices.shape
     if num_tokens == 1:
-        # One device-to-host transfer (a sync on CUDA) for ids and weights; float64 holds both exactly.
-        ids_and_weights = torch.stack((indices[0].to(torch.float64), weights[0].to(torch.float64))).tolist()
-        pairs = sorted((int(e), w) for e, w in zip(*ids_and_weights))
-        return routed_one(x, [e for e, _ in pairs], [w for _, w in pairs], provider, layer_idx, ctx, expert_fn)
+        ids, ws = one_token_lists(weights, indices)
+        return routed_one(x, ids, ws, provider, layer_idx, ctx, expert_fn)
     flat = indices.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat)
@@ -71,20 +69,64 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     return out if out32 is None or out32 is out else out.add_(out32.to(x.dtype))
 
 
+def one_token_lists(weights: torch.Tensor, indices: torch.Tensor) -> tuple[list, list]:
+    """One token's routing (weights and indices [1, k]) as (expert ids ascending, their weights):
+    one device-to-host transfer (a sync on CUDA); float64 holds both exactly."""
+    ids_and_weights = torch.stack((indices[0].to(torch.float64), weights[0].to(torch.float64))).tolist()
+    pairs = sorted((int(e), w) for e, w in zip(*ids_and_weights))
+    return [e for e, _ in pairs], [w for _, w in pairs]
+
+
+def one_token_experts(x: torch.Tensor, expert_ids: list, experts: list, weights: list,
+                      ctx: ExecContext = STANDALONE, expert_fn=None) -> torch.Tensor:
+    """One token x [1, H] through its acquired ``experts`` (ids ascending) with ``weights``: one
+    ``kernels.experts_decode`` call (or the family's expert math per expert)."""
+    if expert_fn is None:
+        return kernels.experts_decode(x, experts, weights, ctx)
+    out = torch.zeros_like(x)
+    for e, w, weight in zip(expert_ids, experts, weights):
+        out.add_(expert_fn(x, w, e, ctx), alpha=weight)
+    return out
+
+
 def routed_one(x: torch.Tensor, expert_ids: list, weights: list, provider, layer_idx: int,
                ctx: ExecContext = STANDALONE, expert_fn=None) -> torch.Tensor:
     """One token x [1, H] through its experts ``expert_ids`` (ascending) with ``weights`` (floats):
-    one acquire, one ``kernels.experts_decode`` call (or the family's expert math per expert)."""
+    one acquire, then ``one_token_experts``."""
     experts = provider.acquire(layer_idx, expert_ids)
     try:
-        if expert_fn is None:
-            return kernels.experts_decode(x, experts, weights, ctx)
-        out = torch.zeros_like(x)
-        for e, w, weight in zip(expert_ids, experts, weights):
-            out.add_(expert_fn(x, w, e, ctx), alpha=weight)
-        return out
+        return one_token_experts(x, expert_ids, experts, weights, ctx, expert_fn)
     finally:
         provider.release(layer_idx, expert_ids)
+
+
+def routed_rows(xs: list, routes: list, provider, layer_idx: int, ctx: ExecContext = STANDALONE,
+                expert_fn=None) -> list:
+    """Several sequences' tokens (``xs``: each [1, H]; ``routes``: each one's (expert ids ascending,
+    weights)) through their experts with the arithmetic of ``routed_one`` row by row (each result
+    has the bits of that token decoded alone), but one acquire for the experts the rows share: an
+    expert read for one sequence serves the others. Rows are taken in runs whose union of experts
+    fits one acquire (``max_experts_per_acquire``)."""
+    group = getattr(provider, "max_experts_per_acquire", None)
+    outs = [None] * len(xs)
+    start = 0
+    while start < len(xs):
+        union = set(routes[start][0])
+        end = start + 1
+        while end < len(xs) and (group is None or len(union | set(routes[end][0])) <= group):
+            union |= set(routes[end][0])
+            end += 1
+        ids = sorted(union)
+        experts = provider.acquire(layer_idx, ids)
+        try:
+            held = dict(zip(ids, experts))
+            for r in range(start, end):
+                row_ids, row_weights = routes[r]
+                outs[r] = one_token_experts(xs[r], row_ids, [held[e] for e in row_ids], row_weights, ctx, expert_fn)
+        finally:
+            provider.release(layer_idx, ids)
+        start = end
+    return outs
 
 
 class SparseMoeBlock(nn.Module):
@@ -149,26 +191,45 @@ class SparseMoeBlock(nn.Module):
         where this block's rule or the policy does not allow it (see ``Router.route_lists``)."""
         return self.router.route_lists(x)
 
+    def one_token_route(self, flat: torch.Tensor) -> tuple[list, list]:
+        """One token's (expert ids ascending, weights) — from the native router when this block's
+        rule and the policy allow it (no softmax / topk / sort / tensor-to-list dispatches)."""
+        routed = self.route_lists(flat)
+        if routed is not None:
+            return routed
+        weights, indices = self.route(flat)
+        return one_token_lists(weights.to(flat.dtype), indices)
+
+    def _add_shared(self, out: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        if self._shared is None:
+            return out
+        expert, gate = self._shared
+        shared = expert(flat)
+        if gate is not None:
+            shared = torch.sigmoid(gate(flat)) * shared
+        return out + shared
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         self.provider.layer_input(self.layer_idx, flat)
-        # A decode step whose rule the native kernels know: ids and weights come back as lists
-        # (no softmax / topk / sort / tensor-to-list dispatches).
-        routed = self.route_lists(flat) if flat.shape[0] == 1 else None
-        if routed is not None:
-            out = routed_one(flat, routed[0], routed[1], self.provider, self.layer_idx, self.ctx, self.expert_fn)
+        if flat.shape[0] == 1:
+            ids, ws = self.one_token_route(flat)
+            out = routed_one(flat, ids, ws, self.provider, self.layer_idx, self.ctx, self.expert_fn)
         else:
             weights, indices = self.route(flat)
             out = routed_experts(flat, weights.to(x.dtype), indices, self.provider, self.layer_idx,
                                  self.ctx, self.expert_fn)
-        if self._shared is not None:
-            expert, gate = self._shared
-            shared = expert(flat)
-            if gate is not None:
-                shared = torch.sigmoid(gate(flat)) * shared
-            out = out + shared
-        return out.view(shape)
+        return self._add_shared(out, flat).view(shape)
+
+    def forward_rows(self, xs: list) -> list:
+        """One token of each of several sequences (``xs``: each [1, 1, H]), each with the bits it
+        has alone (``forward``), the experts acquired once for all of them (``routed_rows``)."""
+        flats = [x.reshape(1, -1) for x in xs]
+        self.provider.layer_input(self.layer_idx, torch.cat(flats))
+        routes = [self.one_token_route(f) for f in flats]
+        outs = routed_rows(flats, routes, self.provider, self.layer_idx, self.ctx, self.expert_fn)
+        return [self._add_shared(o, f).view(x.shape) for o, f, x in zip(outs, flats, xs)]
 
 
 class ExpertBiasMoeBlock(SparseMoeBlock):
