@@ -9,7 +9,11 @@ import subprocess
 import sys
 
 from setuptools import find_packages, setup
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
+
+# Compile the C++ files in parallel, one job per core (LQF_BUILD_JOBS=N to choose): the kernels'
+# files take most of a fresh install's time, and a first run waits for them.
+ParallelCompile("LQF_BUILD_JOBS", default=0).install()
 
 
 def liburing_flags():
