@@ -8,11 +8,12 @@ For each model and tier, one worker process: N streams with different random pro
 counted. Both drivers produce the same tokens in exact mode (tests/test_batched.py); here the
 policy is the config's (fast by default).
 
-    python bench/concurrency.py                       # default model resident; the peer pack if built
-    python bench/concurrency.py --pack /tmp/peer/work/pack-uniform --streams 1 2 4 8
+    python bench/concurrency.py                       # default model resident; the peer packs if built
+    python bench/concurrency.py --pack /tmp/peer/work/pack-skewed --streams 1 2 4 8
     python bench/concurrency.py --worker ...          # (internal: one model/tier)
 
-The big random MoE is bench/peer_gguf.py's Q4_K_M pack (16 layers x 128 experts, 1.98 GB): it is
+The big random MoEs are bench/peer_gguf.py's Q4_K_M packs (16 layers x 128 experts, 1.98 GB; near
+uniform and skewed routing): each is
 run resident, streamed with a host cache of a quarter of its expert records (a step's experts stay
 cached between streams either way), and "streamed-small" with a cache of half of one token's
 experts (as a 100B+ model on a small-RAM machine: whatever one stream reads is gone before the next
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import run_json_worker  # noqa: E402
 
-PEER_PACK = Path("/tmp/peer/work/pack-uniform")
+PEER_PACKS = [Path("/tmp/peer/work/pack-uniform"), Path("/tmp/peer/work/pack-skewed")]
 
 
 def _bytes_read(rt) -> int:
@@ -94,7 +95,8 @@ def worker(args) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pack", default=None, help="a pack to run beside the default model (default: the peer pack if built)")
+    ap.add_argument("--pack", nargs="+", default=None,
+                    help="packs to run beside the default model (default: bench/peer_gguf.py's uniform and skewed packs, if built)")
     ap.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--tokens", type=int, default=32, help="tokens each stream decodes")
@@ -106,11 +108,11 @@ def main():
         print(json.dumps(worker(args)))
         return
     runs = [(None, "resident")]
-    pack = Path(args.pack) if args.pack else (PEER_PACK if (PEER_PACK / "manifest.json").exists() else None)
-    if pack is not None:
+    packs = [Path(p) for p in args.pack] if args.pack else [p for p in PEER_PACKS if (p / "manifest.json").exists()]
+    for pack in packs:
         runs += [(pack, "resident"), (pack, "streamed"), (pack, "streamed-small")]
-    else:
-        print(f"(no big pack: pass --pack, or build {PEER_PACK} with bench/peer_gguf.py)", file=sys.stderr)
+    if not packs:
+        print(f"(no big pack: pass --pack, or build {PEER_PACKS[0].parent} with bench/peer_gguf.py)", file=sys.stderr)
     results = []
     for pack_dir, tier in runs:
         cmd = [sys.executable, __file__, "--worker", "--tier", tier, "--tokens", str(args.tokens),

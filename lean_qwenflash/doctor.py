@@ -63,14 +63,11 @@ def context_lines(config: dict, cfg, available: int, where: str, caches: int) ->
     import torch
 
     from .families import family_for
-    from .generate.budget import MARGIN_BYTES, ContextBudget, context_cost, kv_storage
+    from .generate.budget import MARGIN_BYTES, run_budget
     with torch.device("meta"):
         model = family_for(config).build(config)
-    kv = kv_storage(getattr(cfg, "kv_cache_dtype", None), cfg.dtype)
-    copies = 2 if cfg.server.prefix_cache_bytes > 0 or cfg.server.snapshot_dir else 0
-    cost = context_cost(model, kv, cfg.generation.prefill_chunk_tokens, copies)
-    budget = ContextBudget(cost, available, caches, MARGIN_BYTES,
-                           int(config.get("max_position_embeddings") or 32768), where)
+    budget = run_budget(model, cfg, int(config.get("max_position_embeddings") or 32768), available, where, caches)
+    cost, kv = budget.cost, budget.cost.kv_dtype
     lines = [f"context:       {cost.per_token} bytes per token (KV as {kv}), {format_size(cost.fixed)} per sequence "
              f"(recurrent state, windows), {format_size(cost.working_per_token)} per token while a "
              f"{cost.chunk}-token prefill chunk runs",

@@ -142,6 +142,21 @@ class ContextBudget:
 MARGIN_BYTES = 256 * 1024**2     # left free beside the states (allocator slack, buffers, the HTTP side)
 
 
+def run_budget(model, cfg, model_context: int, available: int, where: str, caches: Optional[int] = None) -> ContextBudget:
+    """The ``ContextBudget`` of ``model`` run as ``cfg`` (a RuntimeConfig) says, in ``available``
+    bytes of ``where`` ("RAM" or "VRAM"): KV stored as ``kv_cache_dtype`` says, two copies of the
+    state with a prefix cache or snapshot directory, and the caches not yet filled subtracted
+    (``caches``; default: the prefix cache plus the expert cache of that memory, counted whole:
+    pages already filled are counted twice, on the safe side). The server and ``doctor`` both ask
+    this."""
+    kv = kv_storage(getattr(cfg, "kv_cache_dtype", None), cfg.dtype)
+    copies = 2 if cfg.server.prefix_cache_bytes > 0 or cfg.server.snapshot_dir else 0
+    cost = context_cost(model, kv, cfg.generation.prefill_chunk_tokens, copies)
+    if caches is None:
+        caches = cfg.server.prefix_cache_bytes + (cfg.device_cache_bytes if where == "VRAM" else cfg.host_cache_bytes)
+    return ContextBudget(cost, available, caches, MARGIN_BYTES, model_context, where)
+
+
 def cgroup_memory() -> tuple[Optional[int], Optional[int]]:
     """(limit, usage) in bytes of this process's memory cgroup (v2, else v1); None where unknown
     or unlimited."""

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from lean_qwenflash.generate import Generation, Generator, PrefixCache, SamplingParams, Steering, TokenHook
-from lean_qwenflash.generate.budget import MARGIN_BYTES, ContextBudget, available_memory, context_cost, kv_storage
+from lean_qwenflash.generate.budget import ContextBudget, available_memory, run_budget
 from lean_qwenflash.generate.snapshots import SnapshotDir
 
 log = logging.getLogger("lean_qwenflash.server")
@@ -156,18 +156,12 @@ class _Run:
 
 def context_budget(runtime, cfg, model_context: Optional[int] = None,
                    available: Optional[tuple[int, str]] = None) -> ContextBudget:
-    """The ``ContextBudget`` of a server on ``runtime`` (its model already loaded) with ``cfg``:
-    the caches not yet filled that it subtracts are the prefix cache and, on the CPU, the host
-    expert cache (counted whole: pages it has already filled are counted twice, on the safe side);
-    on CUDA the device cache."""
+    """The ``ContextBudget`` (``budget.run_budget``) of a server on ``runtime`` (its model already
+    loaded) with ``cfg``, in the memory its device has (``available_memory``)."""
     if model_context is None:
         model_context = int(runtime.store.config.get("max_position_embeddings") or 32768)
-    kv = kv_storage(getattr(cfg, "kv_cache_dtype", None), cfg.dtype)
-    copies = 2 if cfg.server.prefix_cache_bytes > 0 or cfg.server.snapshot_dir else 0
-    cost = context_cost(runtime.model, kv, cfg.generation.prefill_chunk_tokens, copies)
     avail, where = available if available is not None else available_memory(cfg.device)
-    caches = cfg.server.prefix_cache_bytes + (cfg.device_cache_bytes if where == "VRAM" else cfg.host_cache_bytes)
-    return ContextBudget(cost, avail, caches, MARGIN_BYTES, model_context, where)
+    return run_budget(runtime.model, cfg, model_context, avail, where)
 
 
 def snapshot_fingerprint(runtime, cfg) -> str:
