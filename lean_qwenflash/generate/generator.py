@@ -67,6 +67,19 @@ def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), float(logprobs[token]), best)
 
 
+def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """``token_logprob`` of ``tokens[i]`` in each row ``logprobs[i]`` ([T, V], a log-softmax): one
+    gather, one top-k and one device-to-host transfer for all rows (echo and choice scoring)."""
+    rows = logprobs[:len(tokens)]
+    ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=rows.device)
+    chosen = rows.gather(1, ids[:, None])[:, 0].tolist()
+    if not top:
+        return [TokenLogprob(int(t), float(v), []) for t, v in zip(tokens, chosen)]
+    values, best = torch.topk(rows, min(top, rows.shape[-1]), dim=-1)
+    return [TokenLogprob(int(t), float(v), [(i, b) for i, b in zip(bi, bv) if b != float("-inf")])
+            for t, v, bi, bv in zip(tokens, chosen, best.tolist(), values.tolist())]
+
+
 class LogprobCapture(TokenHook):
     """Records a ``TokenLogprob`` for every emitted token (``entries``, in order), of the
     distribution it was sampled from: the log-softmax of the logits after the masks of the hooks
@@ -278,8 +291,7 @@ class Generation:
                     logits = gen.feed(prompt[pos:end], state)
                 else:
                     rows = torch.log_softmax(gen.feed(prompt[pos:end], state, all_logits=True).float(), dim=-1)
-                    self.prompt_logprobs.extend(token_logprob(rows[i], prompt[pos + i + 1], top)
-                                                for i in range(min(end - pos, len(prompt) - pos - 1)))
+                    self.prompt_logprobs.extend(token_logprobs(rows, prompt[pos + 1:end + 1], top))
                     logits = rows[-1]
                 pos = end
                 if pos < len(prompt):
@@ -332,7 +344,7 @@ class Generation:
             for start in range(0, len(tokens) - 1, gen.scoring_chunk_tokens):
                 part = tokens[start:start + gen.scoring_chunk_tokens + 1]
                 rows = torch.log_softmax(gen.feed(part[:-1], state, all_logits=True).float(), dim=-1)
-                entries.extend(token_logprob(rows[i], part[i + 1], top) for i in range(len(part) - 1))
+                entries.extend(token_logprobs(rows, part[1:], top))
             self.scores.append(ContinuationScore(index, tokens, entries))
             if index + 1 < len(self.continuations):
                 yield None
