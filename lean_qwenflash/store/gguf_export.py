@@ -37,6 +37,24 @@ def _config_value(config: dict, key: str):
     return config.get(key)
 
 
+def _parts_once(compute, count: int) -> list:
+    """``count`` makers of one computation's parts (``compute()`` returns them in order): the
+    transform runs once, at the first part's write, and its result is dropped after the last."""
+    held: dict = {}
+
+    def maker(i: int):
+        def make():
+            if "parts" not in held:
+                held["parts"], held["left"] = list(compute()), count
+            part = held["parts"][i]
+            held["left"] -= 1
+            if not held["left"]:
+                held.clear()
+            return part
+        return make
+    return [maker(i) for i in range(count)]
+
+
 def _stored(shape: tuple, encoding: str) -> str:
     return "f32" if len(shape) == 1 else encoding      # vectors (norms) always f32, as llama.cpp's converter
 
@@ -182,17 +200,17 @@ def export_gguf(hf_dir, out_path, encoding: str = "bf16", split_max_tensors: int
         enc = "f32" if name.endswith(_F32_SUFFIXES) else encoding
         if isinstance(tr, Split):      # one HF tensor -> several GGUF tensors by a float transform
             metas = tr.to_gguf(torch.empty(tuple(ckpt.shape(key)), device="meta"), cfg)
-            for i, (part, m) in enumerate(zip(name.split("+"), metas)):
-                make = lambda key=key, tr=tr, i=i: tr.to_gguf(ckpt.get(key).float(), cfg)[i]
+            parts = name.split("+")
+            makers = _parts_once(lambda key=key, tr=tr: tr.to_gguf(ckpt.get(key).float(), cfg), len(parts))
+            for part, m, make in zip(parts, metas, makers):
                 writes.append((part, tuple(m.shape), "f32" if part.endswith(_F32_SUFFIXES) else encoding, make))
             continue
         if isinstance(tr, Joined):     # one HF matrix -> several GGUF tensors (rows permuted, then split)
-            start = 0
-            for part, rows in zip(name.split("+"), tr.rows(cfg)):
-                make = (lambda key=key, tr=tr, start=start, rows=rows:
-                        tr.to_gguf(ckpt.get(key), cfg)[start:start + rows])
+            parts, counts = name.split("+"), tr.rows(cfg)
+            makers = _parts_once(lambda key=key, tr=tr, counts=tuple(counts):
+                                 tr.to_gguf(ckpt.get(key), cfg).split(counts), len(parts))
+            for part, rows, make in zip(parts, counts, makers):
                 writes.append((part, (rows,) + tuple(ckpt.shape(key))[1:], enc, make))
-                start += rows
             continue
         make = (lambda key=key: ckpt.get(key)) if tr is None else \
             (lambda key=key, tr=tr: tr.to_gguf(ckpt.get(key).float(), cfg))
