@@ -57,6 +57,25 @@ class LatentAttention(nn.Module):
         return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1) if self.interleaved_rope else x
 
     def forward(self, x: torch.Tensor, rope, state=None) -> torch.Tensor:
+        q_latent, q_rope, latent, k_rope = self._project(x)
+        cos, sin = rope
+        q_rope, k_rope = apply_rotary(q_rope, cos, sin), apply_rotary(k_rope, cos, sin)
+        return self._output(self.attend(q_latent, q_rope, latent, k_rope, state).to(q_latent.dtype))
+
+    def forward_rows(self, x: torch.Tensor, ropes: list, states: list) -> torch.Tensor:
+        """One token of each of B sequences (x [B, 1, H]): the projections, the value absorption
+        and o_proj for all rows at once; rope and attention per sequence on its own cache."""
+        q_latent, q_rope, latent, k_rope = self._project(x)
+        outs = []
+        for b, state in enumerate(states):
+            cos, sin = ropes[b]
+            qr, kr = apply_rotary(q_rope[b:b + 1], cos, sin), apply_rotary(k_rope[b:b + 1], cos, sin)
+            outs.append(self.attend(q_latent[b:b + 1], qr, latent[b:b + 1], kr, state).to(q_latent.dtype))
+        return self._output(torch.cat(outs))
+
+    def _project(self, x: torch.Tensor):
+        """x [B, T, H] -> (q absorbed into the latent space [B, H, T, r], q's rope part [B, H, T, dr],
+        the normalised latent [B, 1, T, r], the rope key [B, 1, T, dr]); rope parts not yet rotated."""
         batch, num_tokens, _ = x.shape
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(batch, num_tokens, self.num_heads, self.q_dim).transpose(1, 2)
@@ -64,17 +83,20 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)                  # [B, 1, T, r]
         k_rope = k_rope.view(batch, 1, num_tokens, self.rope_dim)
-        cos, sin = rope
-        q_rope = apply_rotary(self._regroup(q_rope), cos, sin)
-        k_rope = apply_rotary(self._regroup(k_rope), cos, sin)
         if self.kv_b_proj.qweight is not None:
             raise NotImplementedError("a block-quantized kv_b_proj is not supported (keep it float)")
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        w_k, w_v = w[:, :self.nope], w[:, self.nope:]
+        w_k = self._kv_b()[:, :self.nope]
         q_latent = torch.einsum("bhtd,hdr->bhtr", q_nope, w_k)
-        out = self.attend(q_latent, q_rope, latent, k_rope, state).to(q_latent.dtype)   # [B, H, T, r]
-        out = torch.einsum("bhtr,hvr->bthv", out, w_v).reshape(batch, num_tokens, -1)
-        return self.o_proj(out)
+        return q_latent, self._regroup(q_rope), latent, self._regroup(k_rope)
+
+    def _kv_b(self) -> torch.Tensor:
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output in the latent space [B, H, T, r] -> values (absorbed w_v) -> o_proj."""
+        batch, _, num_tokens, _ = out.shape
+        w_v = self._kv_b()[:, self.nope:]
+        return self.o_proj(torch.einsum("bhtr,hvr->bthv", out, w_v).reshape(batch, num_tokens, -1))
 
     def attend(self, q_latent, q_rope, latent, k_rope, state) -> torch.Tensor:
         """Absorbed attention: scores q_latent . c + q_rope . k_rope, values c -> [B, H, T, r]."""
@@ -82,7 +104,8 @@ class LatentAttention(nn.Module):
         codec = kv_codec(policy.kv_cache_dtype)
         num_tokens = q_latent.shape[2]
         past = 0 if state is None else state.num_tokens
-        if codec.name == "f32" and policy.kernel_mode == "exact" and past + num_tokens <= EXACT_MAX_KEYS:
+        first_chunk = num_tokens > 1 and past == 0       # (fast mode too: SDPA's fused causal kernel, as Attention)
+        if codec.name == "f32" and (policy.kernel_mode == "exact" or first_chunk) and past + num_tokens <= EXACT_MAX_KEYS:
             if state is not None:
                 latent, k_rope = state.append(latent, k_rope)              # [B, 1, L, r], [B, 1, L, dr]
             query = torch.cat((q_latent, q_rope), dim=-1)
