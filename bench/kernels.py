@@ -13,6 +13,11 @@ DRAM. Measured in the same run, on the same threads:
 * one fused MoE layer call (moe_decode: 8 experts of a Qwen3-30B-A3B-sized layer, H 2048,
   I 768) per encoding, against the exact path (dequantize + torch) on the same experts.
 
+* one MoE layer of many tokens (moe_prefill: --prefill-tokens through 128 experts of H 1024, I 512,
+  top-8, random routing: the issue-21 model's layer) per gate_up/down encoding pair; with
+  --baseline DIR the same calls also run on DIR's build (a worktree of the tree before a change),
+  each tree in its own process, rounds interleaved, so the two are compared side by side.
+
 Goal (issue: quantized experts): q4_k decode at >= 70% of the DRAM read bandwidth.
 Prints a table and writes JSON to --out.
 """
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# a --baseline worker imports the package from the baseline tree instead
+sys.path.insert(0, os.environ.get("LQF_BENCH_TREE") or str(REPO))
 
 from lean_qwenflash.experts.provider import ExpertWeights  # noqa: E402
 from lean_qwenflash.models import kernels, native  # noqa: E402
@@ -72,6 +80,75 @@ def dram_read_gbs(gib: float, threads: int, repeats: int) -> float:
     return best_rate(lambda: buf.sum(), buf.numel() * 4, repeats)
 
 
+PREFILL_SHAPE = {"hidden": 1024, "inter": 512, "experts": 128, "top_k": 8}
+
+
+def prefill_rows(pairs: list, tokens_list: list, threads_list, repeats: int) -> list:
+    """ms per moe_prefill call of one layer (all 128 experts' weights: beyond the last-level cache)."""
+    hidden, inter, num, top_k = (PREFILL_SHAPE[k] for k in ("hidden", "inter", "experts", "top_k"))
+    rows = []
+    for pair in pairs:
+        gu_name, dn_name = pair.split("/")
+        gen = torch.Generator().manual_seed(1)
+        experts = [ExpertWeights(random_weight(gu_name, 2 * inter, hidden, gen), random_weight(dn_name, hidden, inter, gen))
+                   for _ in range(num)]
+        for n in tokens_list:
+            x = torch.randn(n, hidden, generator=gen)
+            picks = torch.stack([torch.randperm(num, generator=gen)[:top_k] for _ in range(n)])
+            order = torch.argsort(picks.reshape(-1), stable=True)
+            ids, counts = torch.unique(picks.reshape(-1), return_counts=True)
+            chosen = [experts[i] for i in ids.tolist()]
+            tokens = (order // top_k).to(torch.int32)
+            weights = torch.rand(n * top_k, generator=gen)
+            out = torch.zeros_like(x)
+            for t in threads_list:
+                def call():
+                    native.moe_prefill(x, chosen, counts, tokens, weights, out, threads=t)
+                call()
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    call()
+                    best = min(best, time.perf_counter() - t0)
+                rows.append({"pair": pair, "tokens": n, "threads": t, "ms": best * 1e3})
+        del experts
+    return rows
+
+
+def prefill_compare(args, threads_list) -> dict:
+    """moe_prefill rows of this tree (and --baseline's), each tree in its own worker process, rounds
+    interleaved; the best of all rounds per row."""
+    trees = {"this": str(REPO)}
+    if args.baseline:
+        trees = {"baseline": str(Path(args.baseline).resolve()), **trees}
+    best: dict = {}
+    for _ in range(args.prefill_rounds):
+        for label, tree in trees.items():
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--prefill-worker", "--prefill-pairs", args.prefill_pairs,
+                   "--prefill-tokens", args.prefill_tokens, "--repeats", str(args.repeats),
+                   "--threads", ",".join(map(str, threads_list))]
+            res = subprocess.run(cmd, env={**os.environ, "LQF_BENCH_TREE": tree}, capture_output=True, text=True, check=True)
+            for r in json.loads(res.stdout.strip().splitlines()[-1]):
+                key = (r["pair"], r["tokens"], r["threads"])
+                cell = best.setdefault(key, {})
+                cell[label] = min(cell.get(label, float("inf")), r["ms"])
+    return {"trees": trees, "rows": [{"pair": k[0], "tokens": k[1], "threads": k[2], **v} for k, v in best.items()]}
+
+
+def print_prefill(pre: dict) -> None:
+    shape = PREFILL_SHAPE
+    print(f"\none MoE layer, many tokens (moe_prefill): {shape['experts']} experts x (gate_up [{2 * shape['inter']}, "
+          f"{shape['hidden']}] + down [{shape['hidden']}, {shape['inter']}]), top-{shape['top_k']}; ms per call, "
+          "best of all rounds (tok/s of this layer alone)")
+    labels = list(pre["trees"])
+    head = f"{'gate_up/down':13s} {'tokens':>6s} {'thr':>3s} " + " ".join(f"{lab:>22s}" for lab in labels)
+    print(head + (f" {'speed-up':>9s}" if len(labels) > 1 else ""))
+    for r in pre["rows"]:
+        cells = [f"{r[lab]:9.2f} ({r['tokens'] / r[lab] * 1e3:8.0f}/s)" for lab in labels]
+        extra = f" {r['baseline'] / r['this']:8.2f}x" if len(labels) > 1 else ""
+        print(f"{r['pair']:13s} {r['tokens']:>6d} {r['threads']:>3d} " + " ".join(f"{c:>22s}" for c in cells) + extra)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=4096)
@@ -80,9 +157,29 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--encodings", default="bf16,q8_0,q4_0,q4_k,q5_k,q6_k")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "kernels.json"))
+    ap.add_argument("--threads", default="1,2", help="thread counts to time")
+    ap.add_argument("--prefill-tokens", default="32,512", help="tokens per moe_prefill call ('' to skip)")
+    ap.add_argument("--prefill-pairs", default="q4_k/q6_k,q4_k/q4_k,q5_k/q6_k,q8_0/q8_0",
+                    help="gate_up/down encodings of the moe_prefill rows")
+    ap.add_argument("--prefill-rounds", type=int, default=2, help="interleaved rounds of the moe_prefill rows per tree")
+    ap.add_argument("--baseline", help="a checkout with its native build (e.g. a worktree of the tree before a change): "
+                    "its moe_prefill rows are timed beside this tree's")
+    ap.add_argument("--prefill-only", action="store_true", help="only the moe_prefill rows")
+    ap.add_argument("--prefill-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    threads_list = tuple(int(t) for t in args.threads.split(","))
+    tokens_list = [int(t) for t in args.prefill_tokens.split(",") if t]
+    if args.prefill_worker:
+        print(json.dumps(prefill_rows(args.prefill_pairs.split(","), tokens_list, threads_list, args.repeats)))
+        return 0
+    if args.prefill_only:
+        pre = prefill_compare(args, threads_list)
+        print_prefill(pre)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"moe_prefill": pre}, indent=1))
+        print(f"wrote {args.out}")
+        return 0
     gen = torch.Generator().manual_seed(0)
-    threads_list = (1, 2)
     results = {"rows": args.rows, "cols": args.cols, "working_gib": args.working_gib, "isas": native.ISAS,
                "dram_gbs": {}, "gemv": [], "moe_layer": []}
     for t in threads_list:
@@ -136,6 +233,9 @@ def main() -> int:
                                          "fast_gbs": layer_bytes / fast / 1e9})
         del pool, groups
 
+    if tokens_list:
+        results["moe_prefill"] = prefill_compare(args, threads_list)
+
     dram = results["dram_gbs"]
     print(f"\nDRAM read (torch sum of {args.working_gib} GiB fp32): " +
           ", ".join(f"{t} thread{'s' if t > 1 else ''} {dram[t]:.1f} GB/s" for t in threads_list))
@@ -154,6 +254,8 @@ def main() -> int:
     for r in results["moe_layer"]:
         print(f"{r['encoding']:9s} {r['threads']:>3d} {r['layer_bytes'] / 2**20:6.1f} {r['fast_ms']:8.3f} "
               f"{r['exact_ms']:9.3f} {r['exact_ms'] / r['fast_ms']:8.1f}x {r['fast_gbs']:10.1f}")
+    if "moe_prefill" in results:
+        print_prefill(results["moe_prefill"])
     q4 = [r for r in results["gemv"] if r["encoding"] == "q4_k" and r["threads"] == 2]
     if q4:
         best = max(q4[0].get(i, 0) for i in native.ISAS)

@@ -69,6 +69,15 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("w"), py::arg("enc"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("out"), py::arg("threads"),
         py::arg("isa") = "auto", "Several matrices times one x in one call (x quantized once).");
     m.def(
+        "gemm",
+        [](uintptr_t w, int enc, int rows, int cols, uintptr_t x, int n, uintptr_t out, int threads, const std::string& isa) {
+            py::gil_scoped_release nogil;
+            gemm(ptr<const uint8_t>(w), enc, rows, cols, ptr<const float>(x), n, ptr<float>(out), threads, isa);
+        },
+        py::arg("w"), py::arg("enc"), py::arg("rows"), py::arg("cols"), py::arg("x"), py::arg("n"), py::arg("out"),
+        py::arg("threads"), py::arg("isa") = "auto",
+        "n tokens x [n, cols] through one matrix: out [n, rows] (each value gemv's for that token).");
+    m.def(
         "moe_decode",
         [](uintptr_t x, int hidden, int inter, const std::vector<uintptr_t>& gate_up, const std::vector<uintptr_t>& down,
            const std::vector<float>& weights, int gu_enc, int dn_enc, uintptr_t out, int threads, const std::string& isa) {

@@ -1,7 +1,9 @@
 // Run-time ISA choice, a small thread pool, and the products the runtime calls:
 //   gemv            one matrix x one activation row (decode shape; tests and benchmarks)
+//   gemm            one matrix x many activation rows (prefill shape: the multi-column kernels)
 //   moe_decode      one token through all of its routed experts of a layer in one call:
 //                   gate_up -> silu(gate) * up -> down, weighted sum
+//   moe_prefill     many tokens through their experts of a layer in one call
 //   dequantize      rows -> fp32 (the exact path and prefill tiles), rows split over threads
 // Every output value is computed by one thread in a fixed order, so results do not depend on the
 // thread count, and a given ISA is deterministic.
@@ -309,22 +311,38 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
     });
 }
 
-// dst[p * rows + r] = row r of expert e times pair p's activations, for every pair p of every expert
-// e (pairs first[e] .. first[e+1]); tasks are blocks of 16 rows of one expert, run against each of
-// that expert's pairs while the rows sit in cache.
-template <class ActOf>
-static void rows_times_pairs(Pool& pl, const std::vector<const uint8_t*>& w, const std::vector<int>& first, int rows,
-                             int cols, size_t stride, DotFn dot, ActOf act_of, float* dst) {
+// dst[p * rows + r] = row r of expert e times pair p's activations acts[p], for every pair p of every
+// expert e (pairs first[e] .. first[e+1]); tasks are blocks of 16 rows of one expert, run against all
+// of that expert's pairs while the rows sit in cache (dot_many: each row's blocks decoded once per
+// four pairs).
+static void rows_times_pairs(Pool& pl, const KernelTable& k, int enc, const std::vector<const uint8_t*>& w,
+                             const std::vector<int>& first, int rows, int cols, const Act* const* acts, float* dst) {
+    const size_t stride = enc_row_bytes(enc, cols);
     const int num_experts = static_cast<int>(w.size());
     const int step = std::min(rows, 16);
     const int blocks = (rows + step - 1) / step;
     pl.run(num_experts * blocks, [&](int task) {
         const int e = task / blocks, r0 = (task % blocks) * step, r1 = std::min(rows, r0 + step);
-        for (int r = r0; r < r1; ++r) {
-            const uint8_t* row = w[e] + r * stride;
-            for (int p = first[e]; p < first[e + 1]; ++p) dst[static_cast<size_t>(p) * rows + r] = dot(row, act_of(p), cols);
-        }
+        dot_many(k, enc, w[e] + r0 * stride, stride, r1 - r0, acts + first[e], first[e + 1] - first[e], cols,
+                 dst + static_cast<size_t>(first[e]) * rows + r0, rows);
     });
+}
+
+void gemm(const uint8_t* w, int enc, int rows, int cols, const float* x, int n, float* out, int num_threads,
+          const std::string& isa) {
+    check_cols(enc, cols, "gemm");
+    if (rows <= 0 || n <= 0) throw std::invalid_argument("gemm: needs at least one row and one token");
+    const KernelTable& k = kernels_for(isa);
+    Pool& pl = pool(num_threads);
+    std::vector<ActBuf> ax(n);
+    std::vector<Act> acts(n);
+    pl.run(n, [&](int t) {
+        ax[t].prepare(enc, x + static_cast<size_t>(t) * cols, cols);
+        acts[t] = ax[t].act();
+    });
+    std::vector<const Act*> act_ptrs(n);
+    for (int t = 0; t < n; ++t) act_ptrs[t] = &acts[t];
+    rows_times_pairs(pl, k, enc, {w}, {0, n}, rows, cols, act_ptrs.data(), out);
 }
 
 void moe_prefill(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
@@ -350,20 +368,20 @@ void moe_prefill(const float* x, int hidden, int inter, const std::vector<const 
     pl.run(num_tokens, [&](int t) { ax[t].prepare(gate_up_enc, x + static_cast<size_t>(t) * hidden, hidden); });
     std::vector<Act> act_x(num_tokens);
     for (int t = 0; t < num_tokens; ++t) act_x[t] = ax[t].act();
+    std::vector<const Act*> pair_acts(pairs);
+    for (int p = 0; p < pairs; ++p) pair_acts[p] = &act_x[tokens[p]];
 
     // 2. gate_up for every pair: h [pairs, 2I]
     std::vector<float> h(static_cast<size_t>(pairs) * 2 * inter);
-    rows_times_pairs(pl, gate_up, first, 2 * inter, hidden, enc_row_bytes(gate_up_enc, hidden), k.dot[gate_up_enc],
-                     [&](int p) -> const Act& { return act_x[tokens[p]]; }, h.data());
+    rows_times_pairs(pl, k, gate_up_enc, gate_up, first, 2 * inter, hidden, pair_acts.data(), h.data());
 
     // 3. silu(gate) * up per pair, quantized for the down product
     SwiGLU sw(pl, h.data(), pairs, inter, down_enc);
-    const std::vector<Act>& act_a = sw.acts;
+    for (int p = 0; p < pairs; ++p) pair_acts[p] = &sw.acts[p];
 
     // 4. down for every pair: y [pairs, H]
     std::vector<float> y(static_cast<size_t>(pairs) * hidden);
-    rows_times_pairs(pl, down, first, hidden, inter, enc_row_bytes(down_enc, inter), k.dot[down_enc],
-                     [&](int p) -> const Act& { return act_a[p]; }, y.data());
+    rows_times_pairs(pl, k, down_enc, down, first, hidden, inter, pair_acts.data(), y.data());
 
     // 5. out[token] += weight * y, expert by expert in the call's order (as torch's per-expert
     //    index_add: a prefill split into several calls adds in the same order); threads own columns

@@ -21,6 +21,11 @@ void gemv(const uint8_t* w, int enc, int rows, int cols, const float* x, float* 
 void gemv_multi(const std::vector<const uint8_t*>& w, const std::vector<int>& enc, const std::vector<int>& rows, int cols,
                 const float* x, const std::vector<float*>& out, int num_threads, const std::string& isa);
 
+// out[n, rows] = x[n, cols] . W[rows, cols]^T: n tokens through one matrix, each row decoded once per
+// four tokens (the encoding's multi-column kernel); every value equals gemv's for that token, bit for bit.
+void gemm(const uint8_t* w, int enc, int rows, int cols, const float* x, int n, float* out, int num_threads,
+          const std::string& isa);
+
 // out[H] = sum_e weights[e] * down_e(silu(gate_e(x)) * up_e(x)); gate_up_e [2I, H], down_e [H, I]
 void moe_decode(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
                 const std::vector<const uint8_t*>& down, const std::vector<float>& weights, int gate_up_enc, int down_enc,

@@ -48,10 +48,30 @@ struct Act {
 
 using DotFn = float (*)(const uint8_t* row, const Act& a, int cols);
 
+// A tile of the many-token products (prefill): `rows` rows of `row_bytes` each from w, times n
+// activation vectors: out[j * ld + r] = dot(w + r * row_bytes, *acts[j], cols), bit for bit (each
+// column keeps the single-column kernel's summation order). Columns run in groups of four over all
+// the rows, so a group's activations stay in L1 while each row's blocks are decoded once for it.
+using DotNFn = void (*)(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+                        size_t ld);
+
 struct KernelTable {
     const char* name;
     DotFn dot[ENC_COUNT];
+    DotNFn dotn[ENC_COUNT];   // nullptr: no multi-column kernel, dot_many loops over dot
 };
+
+// The tile above through k.dotn[enc] where there is one, else k.dot for every (row, column).
+inline void dot_many(const KernelTable& k, int enc, const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts,
+                     int n, int cols, float* out, size_t ld) {
+    if (k.dotn[enc]) {
+        k.dotn[enc](w, row_bytes, rows, acts, n, cols, out, ld);
+        return;
+    }
+    const DotFn dot = k.dot[enc];
+    for (int j = 0; j < n; ++j)
+        for (int r = 0; r < rows; ++r) out[j * ld + r] = dot(w + r * row_bytes, *acts[j], cols);
+}
 
 const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();      // only call when the CPU has AVX2 + FMA + F16C

@@ -6,6 +6,9 @@
 // |w| <= 128 for q8_0 (sign trick), q <= 63 elsewhere, activations in [-127, 127].
 #include <immintrin.h>
 
+#include <algorithm>
+#include <vector>
+
 #include "quant.h"
 
 #pragma GCC push_options
@@ -170,6 +173,194 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     return hsum(acc);
 }
 
+// ---- many columns: one row against n activation vectors (prefill) ----
+//
+// K::run<N> computes one row against N <= 4 columns with each weight block decoded once; every
+// column repeats the single-column kernel's operations in its order on its own accumulators, so the
+// results are the same bits, and the N independent accumulator chains hide the FMA latency one
+// column waits on. Groups of four columns run over all the rows of the tile (their activations stay
+// in L1), then the one to three left (a single one through the single-column kernel: nothing to share).
+template <class K>
+void dot_columns(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+                 size_t ld) {
+    int j = 0;
+    for (; j + 4 <= n; j += 4)
+        for (int r = 0; r < rows; ++r) K::template run<4>(w + r * row_bytes, acts + j, cols, out + j * ld + r, ld);
+    for (int r = 0; r < rows && j < n; ++r) {
+        const uint8_t* row = w + r * row_bytes;
+        float* o = out + j * ld + r;
+        switch (n - j) {
+            case 3: K::template run<3>(row, acts + j, cols, o, ld); break;
+            case 2: K::template run<2>(row, acts + j, cols, o, ld); break;
+            default: *o = K::one(row, *acts[j], cols); break;     // one column: the single-column kernel
+        }
+    }
+}
+
+// The columns' int8 activations, block scales and block sums.
+template <int N>
+struct Columns {
+    const int8_t* q[N];
+    const float* d[N];
+    const float* s[N];
+    explicit Columns(const Act* const* acts) {
+        for (int j = 0; j < N; ++j) {
+            q[j] = acts[j]->q8.q;
+            d[j] = acts[j]->q8.d;
+            s[j] = acts[j]->q8.s;
+        }
+    }
+};
+
+// q8_0 and q4_0: the weight block's |w| and signs once, then per column dot_s8s8's remaining work.
+template <bool FOUR>
+struct Blocks32N {
+    static float one(const uint8_t* row, const Act& a, int cols) { return FOUR ? dot_q4_0(row, a, cols) : dot_q8_0(row, a, cols); }
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        constexpr int BB = FOUR ? 18 : 34;
+        const Columns<N> x(acts);
+        __m256 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+        for (int b = 0; b < cols / 32; ++b, row += BB) {
+            prefetch_ahead(row, BB);
+            __m256i w;
+            if (FOUR) {
+                const __m128i m4 = _mm_set1_epi8(0xF);
+                const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2));
+                w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4), _mm_and_si128(q, m4));
+                w = _mm256_sub_epi8(w, _mm256_set1_epi8(8));
+            } else {
+                w = loadu(row + 2);
+            }
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            const float dw = h2f(row);
+            for (int j = 0; j < N; ++j) {
+                const __m256i s = dot_u8s8(aw, _mm256_sign_epi8(loadu(x.q[j] + 32 * b), w));
+                acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dw * x.d[j][b]), acc[j]);
+            }
+        }
+        for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]);
+    }
+};
+
+// q4_k and q5_k (dot_k_affine's order per column): scales, mins and nibbles decoded once per block.
+template <bool FIVE>
+struct KAffineN {
+    static float one(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<FIVE>(row, a, cols); }
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        constexpr int BB = FIVE ? 176 : 144;
+        const __m256i m4 = _mm256_set1_epi8(0xF);
+        const Columns<N> x(acts);
+        __m256 acc[N], accm[N];
+        for (int j = 0; j < N; ++j) acc[j] = accm[j] = _mm256_setzero_ps();
+        alignas(32) float eff[N][8];     // column j's d * sc_k * (activation scale) per sub-block
+        for (int b = 0; b < cols / QK; ++b, row += BB) {
+            prefetch_ahead(row, BB);
+            uint64_t sc8, m8;
+            scale_min_k4_all(row + 4, &sc8, &m8);
+            const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
+            const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
+            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf);
+            const __m256 dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf);
+            for (int j = 0; j < N; ++j) {
+                _mm256_store_ps(eff[j], _mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[j] + 8 * b)));
+                accm[j] = _mm256_fmadd_ps(dmf, _mm256_loadu_ps(x.s[j] + 8 * b), accm[j]);
+            }
+            const uint8_t* qs = row + (FIVE ? 48 : 16);
+            __m256i qh;
+            if (FIVE) qh = loadu(row + 16);
+            for (int c = 0; c < 4; ++c) {
+                const __m256i qb = loadu(qs + 32 * c);
+                __m256i lo = _mm256_and_si256(qb, m4);
+                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+                if (FIVE) {
+                    const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+                    const __m256i bh = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
+                    const __m256i sixteen = _mm256_set1_epi8(16);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
+                }
+                for (int j = 0; j < N; ++j) {
+                    const int8_t* xj = x.q[j] + QK * b + 64 * c;
+                    const __m256i pl = dot_u8s8(lo, loadu(xj));
+                    const __m256i ph = dot_u8s8(hi, loadu(xj + 32));
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_broadcast_ss(&eff[j][2 * c]), acc[j]);
+                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_broadcast_ss(&eff[j][2 * c + 1]), acc[j]);
+                }
+            }
+        }
+        for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]) - hsum(accm[j]);
+    }
+};
+
+// q6_k (dot_q6_k's order per column): the 6-bit values and the sub-block scales decoded once per
+// row; the -32 offset's products maddubs(32, x), which depend on the column only, once per column
+// for all the rows of the tile (off: 16 int16 per 32 activations, the same integers).
+struct Q6KN {
+    static void offsets(const int8_t* q, int cols, int16_t* off) {
+        const __m256i k32 = _mm256_set1_epi8(32);
+        for (int ab = 0; ab < cols / QA; ++ab)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(off + 16 * ab), _mm256_maddubs_epi16(k32, loadu(q + QA * ab)));
+    }
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, const int16_t* const* off, int cols, float* out, size_t stride) {
+        const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+        const Columns<N> x(acts);
+        __m256 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+        alignas(32) float dd[N][8];     // column j's d * (activation scale) per 32 values
+        for (int b = 0; b < cols / QK; ++b, row += 210) {
+            prefetch_ahead(row, 210);
+            const float d = h2f(row + 208);
+            const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
+            for (int j = 0; j < N; ++j) _mm256_store_ps(dd[j], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x.d[j] + 8 * b)));
+            for (int n = 0; n < 2; ++n) {
+                const __m256i L0 = loadu(row + 64 * n), L1 = loadu(row + 64 * n + 32), H = loadu(row + 128 + 32 * n);
+                __m256i q[4];
+                q[0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+                q[1] = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4), _mm256_and_si256(H, m30));
+                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+                for (int k = 0; k < 4; ++k) {
+                    const int ab = 8 * b + 4 * n + k;
+                    const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
+                    for (int j = 0; j < N; ++j) {
+                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], loadu(x.q[j] + QA * ab)), loadu(off[j] + 16 * ab));
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_broadcast_ss(&dd[j][4 * n + k]), acc[j]);
+                    }
+                }
+            }
+        }
+        for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]);
+    }
+};
+
+// dot_columns for q6_k: each group of four columns' offsets computed once for all the rows.
+void dot_columns_q6_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+                      size_t ld) {
+    const int nb = cols / QA;
+    thread_local std::vector<int16_t> off;     // (int16 and unaligned loads: no over-aligned vector type)
+    off.resize(static_cast<size_t>(4) * 16 * nb);
+    const int16_t* offs[4] = {off.data(), off.data() + 16 * nb, off.data() + 32 * nb, off.data() + 48 * nb};
+    for (int j = 0; j < n; j += 4) {
+        const int g = std::min(4, n - j);
+        if (g > 1)
+            for (int c = 0; c < g; ++c) Q6KN::offsets(acts[j + c]->q8.q, cols, off.data() + 16 * c * nb);
+        for (int r = 0; r < rows; ++r) {
+            const uint8_t* row = w + r * row_bytes;
+            float* o = out + j * ld + r;
+            switch (g) {
+                case 4: Q6KN::run<4>(row, acts + j, offs, cols, o, ld); break;
+                case 3: Q6KN::run<3>(row, acts + j, offs, cols, o, ld); break;
+                case 2: Q6KN::run<2>(row, acts + j, offs, cols, o, ld); break;
+                default: *o = dot_q6_k(row, *acts[j], cols); break;
+            }
+        }
+    }
+}
+
 // the added block types (256-bit kernels, compiled here for this ISA)
 #include "quant_simd_types.h"
 
@@ -177,8 +368,13 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
 
 const KernelTable& avx2_kernels() {
     static const KernelTable t = [] {
-        KernelTable k = {"avx2", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+        KernelTable k = {"avx2", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}, {}};
         t_fill(k.dot);
+        k.dotn[ENC_Q8_0] = dot_columns<Blocks32N<false>>;
+        k.dotn[ENC_Q4_0] = dot_columns<Blocks32N<true>>;
+        k.dotn[ENC_Q4_K] = dot_columns<KAffineN<false>>;
+        k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
+        k.dotn[ENC_Q6_K] = dot_columns_q6_k;
         return k;
     }();
     return t;

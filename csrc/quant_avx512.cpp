@@ -207,7 +207,7 @@ float dot_mxfp4(const uint8_t* row, const Act& a, int cols) { return dot_blocks3
 
 const KernelTable& avx512_kernels() {
     static const KernelTable t = [] {
-        KernelTable k = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+        KernelTable k = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}, {}};   // dotn: dot_many loops over dot
         t_fill(k.dot);
         k.dot[ENC_Q5_0] = dot_q5_0;
         k.dot[ENC_IQ4_NL] = dot_iq4_nl;

@@ -244,7 +244,7 @@ static float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
 
 const KernelTable& scalar_kernels() {
     static const KernelTable t = [] {
-        KernelTable k = {"scalar", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}};
+        KernelTable k = {"scalar", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}, {}};
         for (int e = ENC_Q4_1; e < ENC_COUNT; ++e) k.dot[e] = scalar_type_dots[e];
         return k;
     }();

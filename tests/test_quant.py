@@ -143,6 +143,35 @@ def test_simd_paths_agree_with_scalar(name):
         assert ((native.gemv(weight, x, isa=isa, threads=2) - ref).abs() / scale).max() < 1e-5, isa
 
 
+def _gemm(weight, x: torch.Tensor, isa: str, threads: int = 2) -> torch.Tensor:
+    from lean_qwenflash import _kernels
+    rows, cols = weight.shape
+    raw = weight.raw if isinstance(weight, QuantTensor) else weight
+    out = torch.empty(x.shape[0], rows)
+    _kernels.gemm(raw.data_ptr(), native.encoding_id(weight), rows, cols, x.data_ptr(), x.shape[0], out.data_ptr(),
+                  threads, isa)
+    return out
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("name", ALL)
+def test_multi_column_kernels_equal_the_single_column_ones(isa, name):
+    """The many-token product (one row decoded once for several tokens: moe_prefill's inner loop)
+    gives every token exactly gemv's bits, for token counts off the kernels' group of four, with
+    rows in more than one thread task and more columns than one pass over a row block takes."""
+    gen = torch.Generator().manual_seed(21)
+    block = ENCODINGS[name].block_size
+    cols = 3 * 256 if block > 1 else 100
+    weight, _ = _weight(name, 37, cols, gen)
+    for n in (1, 2, 3, 4, 5, 7, 8, 70):
+        x = torch.randn(n, cols, generator=gen)
+        x[0, :32] *= 50                                       # a block with outliers
+        got = _gemm(weight, x, isa)
+        want = torch.stack([native.gemv(weight, x[t], isa=isa, threads=1) for t in range(n)])
+        assert torch.equal(got, want), (name, isa, n, (got - want).abs().max().item())
+    assert torch.equal(_gemm(weight, x, isa, threads=1), _gemm(weight, x, isa, threads=3))
+
+
 def test_isa_refusal_and_bad_shapes_are_clear():
     weight, _ = _weight("q4_k", 4, 256, torch.Generator().manual_seed(0))
     with pytest.raises(Exception, match="unknown isa 'sse9'"):

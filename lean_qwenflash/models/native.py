@@ -109,6 +109,21 @@ def gemv(weight, x: torch.Tensor, isa: str = "auto", threads: int = 0) -> torch.
     return out
 
 
+def gemm(weight, x: torch.Tensor, isa: str = "auto", threads: int = 0) -> torch.Tensor:
+    """Many tokens through one matrix: x [n, cols] -> fp32 [n, rows], each row exactly ``gemv``'s for
+    that token (block encodings: int8 activation blocks; each weight block decoded once per four
+    tokens)."""
+    rows, cols = weight.shape
+    xf = _f32(x).reshape(-1, cols) if x.shape[-1] == cols else None
+    if xf is None:
+        raise ValueError(f"gemm: x {tuple(x.shape)} does not end in the weight's {cols} columns")
+    xf = xf.contiguous()
+    out = torch.empty(xf.shape[0], rows, dtype=torch.float32)
+    _K.gemm(_address(weight), encoding_id(weight), rows, cols, xf.data_ptr(), xf.shape[0], out.data_ptr(),
+            _threads(threads), isa)
+    return out
+
+
 def moe_decode(x: torch.Tensor, experts: Sequence, weights: Sequence[float], isa: str = "auto",
                threads: int = 0) -> torch.Tensor:
     """One token through its experts: ``sum_e w_e * down_e(silu(gate_e x) * up_e x)``; x [1, H] -> fp32 [1, H].
