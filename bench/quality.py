@@ -24,7 +24,17 @@ Q4_K_M); llama.cpp's quantized-vs-f32 KL (its compute quantizes activations too;
 set beside ours for the same presets made by our quantizer from the same f32 weights: exact vs
 f32, fast vs exact, fast vs f32. The issue's bar: our fast-vs-exact KL <= llama.cpp's
 quantized-vs-f32 KL. Prints the tables, writes JSON to --out and, with --markdown, the tables to
-that file (docs/QUALITY.md is made this way).
+that file (docs/QUALITY.md is made this way; "## " sections already there that it does not write,
+such as "## KV cache", are kept).
+
+``--kv-cache`` measures the KV cache encodings instead (kv_cache_dtype q8_0 / q4_0 vs f32, weights
+unchanged) on the built-in default model, fast kernels: over --kv-windows held-out windows of
+--kv-tokens tokens, every position's next-token distribution (KL vs the f32 cache, top-1
+agreement, perplexity) when the window is prefilled in chunks of --kv-chunk tokens (the blocked
+attention) and, on the first window, fed one token per step (the native decode kernel); and a
+greedy run (the window's first half as prompt, --kv-greedy tokens generated) compared token for
+token with the f32 cache's. ``--kv-markdown FILE`` writes that table as the "## KV cache" section
+of FILE (replacing only that section).
 """
 from __future__ import annotations
 
@@ -168,6 +178,116 @@ def versus_llama(tmp: Path, tokens: int) -> list:
     return rows
 
 
+KV_SECTION = "## KV cache"
+
+
+def kv_cache_quality(args) -> int:
+    """The --kv-cache table (see the module docstring)."""
+    import hashlib
+
+    from lean_qwenflash.generate import Generator, SamplingParams
+
+    hf_dir = DEFAULT_MODEL_DIR
+    digest = hashlib.sha256((hf_dir / "model.safetensors").read_bytes()).hexdigest()
+    tokenizer = Tokenizer.from_dir(hf_dir)
+    windows = held_out_windows(tokenizer, args.kv_windows, args.kv_tokens)
+    half = args.kv_tokens // 2
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        pack_dir = Path(tmp) / "pack"
+        pack(hf_dir, pack_dir, progress=False)
+        for dtype in ("f32", "q8_0", "q4_0"):
+            t0 = time.time()
+            cfg = load_config(model=str(pack_dir), kv_cache_dtype=dtype)
+            with Runtime.open(cfg, resident_experts=True) as rt, torch.inference_mode():
+                model = rt.model
+                chunked = []
+                for w in windows:
+                    state = new_state(model)
+                    chunked.append(torch.cat([model(w[None, i:i + args.kv_chunk], state)
+                                              for i in range(0, w.numel(), args.kv_chunk)], dim=1))
+                state = new_state(model)
+                steps = torch.cat([model(windows[0][None, i:i + 1], state) for i in range(windows.shape[1])], dim=1)
+                gen = Generator(model, args.kv_chunk)
+                greedy = list(gen.start(windows[0][:half].tolist(), SamplingParams(temperature=0.0), args.kv_greedy))
+            results[dtype] = {"chunked": torch.cat(chunked), "steps": steps, "greedy": greedy}
+            print(f"  kv {dtype}: {time.time() - t0:.0f} s", file=sys.stderr)
+    ref = results["f32"]
+    rows = []
+    for dtype, r in results.items():
+        same = [a == b for a, b in zip(ref["greedy"], r["greedy"])]
+        first = same.index(False) if False in same else len(same)
+        rows.append({"kv_cache_dtype": dtype, "bytes_per_value": {"f32": 4.0, "q8_0": 34 / 32, "q4_0": 18 / 32}[dtype],
+                     "ppl_chunked": float(torch.tensor(nll(r["chunked"], windows)).exp()),
+                     "kl_chunked": kl(ref["chunked"], r["chunked"]),
+                     "top1_chunked": float((ref["chunked"].argmax(-1) == r["chunked"].argmax(-1)).float().mean()),
+                     "kl_steps": kl(ref["steps"], r["steps"]),
+                     "top1_steps": float((ref["steps"].argmax(-1) == r["steps"].argmax(-1)).float().mean()),
+                     "greedy_same_first": first, "greedy_same_share": sum(same) / max(1, len(same)),
+                     "greedy_tokens": len(r["greedy"])})
+    positions = windows.numel()
+    lines = [KV_SECTION, "",
+             f"Made by `python bench/quality.py --kv-cache --kv-markdown docs/QUALITY.md`: the built-in default model "
+             f"(model.safetensors sha256 {digest[:16]}), fast kernels, its weights unchanged; only "
+             f"`kv_cache_dtype` differs. Held-out text as above: {args.kv_windows} windows x {args.kv_tokens} tokens "
+             f"({positions} positions) prefilled in chunks of {args.kv_chunk} (the blocked attention: every key, "
+             f"the chunk's own included, read back from the quantized cache), and the first window's "
+             f"{args.kv_tokens} positions fed one token per step (the native decode kernel). Greedy: the first "
+             f"window's first {half} tokens as the prompt, {args.kv_greedy} tokens generated, compared token for "
+             f"token with the f32 cache's run. KL in nats/token vs the f32 cache.", "",
+             "| KV cache | bytes / value | perplexity (chunked) | KL chunked | top-1 = f32 chunked "
+             "| KL per-token steps | top-1 = f32 steps | greedy: same tokens | greedy: first difference |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        first = "none" if r["greedy_same_first"] == r["greedy_tokens"] else f"token {r['greedy_same_first']}"
+        lines.append(f"| {r['kv_cache_dtype']} | {r['bytes_per_value']:.3f} | {r['ppl_chunked']:.3f} "
+                     f"| {r['kl_chunked']:.2e} | {100 * r['top1_chunked']:.1f}% | {r['kl_steps']:.2e} "
+                     f"| {100 * r['top1_steps']:.1f}% | {100 * r['greedy_same_share']:.1f}% of {r['greedy_tokens']} "
+                     f"| {first} |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model_sha256": digest, "windows": args.kv_windows, "tokens": args.kv_tokens,
+                               "chunk": args.kv_chunk, "rows": rows}, indent=1))
+    if args.kv_markdown:
+        replace_section(Path(args.kv_markdown), KV_SECTION, table)
+    print(f"wrote {out}")
+    return 0
+
+
+def replace_section(path: Path, heading: str, text: str) -> None:
+    """Put ``text`` (which starts with ``heading``) in ``path`` in place of the section under that
+    heading (up to the next heading of the same level), or at the end if there is none."""
+    old = path.read_text() if path.is_file() else ""
+    lines = old.splitlines()
+    level = heading.split(" ")[0] + " "
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        body = old.rstrip("\n")
+        path.write_text((body + "\n\n" if body else "") + text + "\n")
+        return
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith(level)), len(lines))
+    new = lines[:start] + text.splitlines() + ([""] + lines[end:] if end < len(lines) else [])
+    path.write_text("\n".join(new) + "\n")
+
+
+def kept_sections(path: Path, table: str) -> str:
+    """The "## " sections of ``path`` that ``table`` does not write ("" if none): --markdown rewrites
+    the file but keeps the sections made elsewhere (the KV cache table, the built-in model's context)."""
+    if not path.is_file():
+        return ""
+    own = {line for line in table.splitlines() if line.startswith("## ")}
+    kept, keep = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("## ") or line.startswith("# "):
+            keep = line.startswith("## ") and line not in own
+        if keep:
+            kept.append(line)
+    return "\n".join(kept).rstrip("\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="q8_0,q6_k,q5_k_m,q5_k,q4_k_m,q4_k,q4_0")
@@ -181,8 +301,18 @@ def main() -> int:
     ap.add_argument("--llama-tokens", type=int, default=256)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quality.json"))
     ap.add_argument("--markdown", help="also write the table as markdown to this file")
+    ap.add_argument("--kv-cache", action="store_true", help="measure the KV cache encodings instead (see above)")
+    ap.add_argument("--kv-windows", type=int, default=2)
+    ap.add_argument("--kv-tokens", type=int, default=2048)
+    ap.add_argument("--kv-chunk", type=int, default=256)
+    ap.add_argument("--kv-greedy", type=int, default=256)
+    ap.add_argument("--kv-markdown", help="write the KV cache table as the '## KV cache' section of this file")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.kv_cache:
+        if args.out == str(REPO / "bench" / "results" / "quality.json"):
+            args.out = str(REPO / "bench" / "results" / "quality_kv_cache.json")
+        return kv_cache_quality(args)
 
     models = {"default model (H 128, I 64)": DEFAULT_MODEL_DIR}
     if not args.no_check_model:
@@ -248,7 +378,8 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"models": results, "versus_llama": llama_rows}, indent=1))
     if args.markdown:
-        Path(args.markdown).write_text(table + "\n")
+        kept = kept_sections(Path(args.markdown), table)
+        Path(args.markdown).write_text(table + "\n" + ("\n" + kept + "\n" if kept else ""))
     print(f"wrote {args.out}")
     return 0
 

@@ -131,20 +131,29 @@ class Rotary:
         self._cos = self._sin = None
 
     def tables(self, start: int, num_tokens: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for positions ``start .. start+num_tokens``: each [T, rotary_dim]."""
+        """cos, signed sin for positions ``start .. start+num_tokens``: each [T, rotary_dim]. The
+        first ``TABLE_POSITIONS`` positions come from a cached table; later ones are computed for
+        the positions asked (a table of every position would grow with the context: 131 MiB at
+        128k tokens for rotary_dim 64, more than a q4_0 KV cache of that length)."""
         end = start + num_tokens
+        if end > self.TABLE_POSITIONS:
+            return self._compute(start, end, dtype, device)
         if self._cos is None or self._cos.shape[0] < end or self._cos.device != torch.device(device) \
                 or self._cos.dtype != dtype:
-            size = max(end, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256)
-            pos = torch.arange(size, dtype=torch.float32, device="cpu")
-            freqs = pos[:, None] * self.inv_freq[None, :]
-            half = freqs.shape[-1]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            sin = emb.sin() * self.attention_scaling
-            sin[:, :half] = -sin[:, :half]
-            self._cos = (emb.cos() * self.attention_scaling).to(device=device, dtype=dtype)
-            self._sin = sin.to(device=device, dtype=dtype)
+            size = min(max(end, 2 * (self._cos.shape[0] if self._cos is not None else 0), 256), self.TABLE_POSITIONS)
+            self._cos, self._sin = self._compute(0, size, dtype, device)
         return self._cos[start:end], self._sin[start:end]
+
+    TABLE_POSITIONS = 8192
+
+    def _compute(self, start: int, end: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(start, end, dtype=torch.float32, device="cpu")
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        half = freqs.shape[-1]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin() * self.attention_scaling
+        sin[:, :half] = -sin[:, :half]
+        return (emb.cos() * self.attention_scaling).to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
