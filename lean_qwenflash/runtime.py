@@ -34,15 +34,16 @@ def sampling_params(gen_cfg, **overrides) -> SamplingParams:
 
 def default_pack(cache_root: Optional[Path] = None) -> Path:
     """The built-in default model as a pack: shipped packed, or packed once on first use into
-    ``~/.cache/lean-qwenflash`` (keyed by the checkpoint's size and mtime, so an update re-packs)."""
+    ``~/.cache/lean-qwenflash`` (keyed by the weights' and the config/tokenizer files' sizes and
+    mtimes, so an update of any of them re-packs)."""
     src = DEFAULT_MODEL_DIR
     if (src / "manifest.json").is_file():
         return src
     if not (src / "config.json").is_file():
         raise ConfigError(f"model: no pack given and the built-in default model is missing from {src}; "
                           "pass --model PACK or set `model:` in the config")
-    weights = sorted(src.glob("*.safetensors"))
-    stamp = "-".join(f"{w.stat().st_size}x{int(w.stat().st_mtime)}" for w in weights)
+    files = sorted(src.glob("*.safetensors")) + sorted(src.glob("*.json"))
+    stamp = "-".join(f"{w.name}:{w.stat().st_size}x{int(w.stat().st_mtime)}" for w in files)
     import hashlib
     key = hashlib.sha256(stamp.encode()).hexdigest()[:12]
     root = cache_root or Path.home() / ".cache" / "lean-qwenflash"

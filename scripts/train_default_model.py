@@ -19,7 +19,11 @@ only on assistant turns: the tool-definition system prompts are most of a dialog
 would otherwise dominate the loss. Tool results come in several JSON/text shapes and tool
 definitions in several client styles, so that after a <tool_response> the model answers in text
 whatever the shape. --init-from DIR continues training an existing model (and keeps its tokenizer
-files byte for byte); with --max-minutes 0 it only evaluates DIR.
+files byte for byte); with --max-minutes 0 it only evaluates DIR. --max-position-embeddings and
+--rope-theta set the context the config declares and the rope base; --needle-rows adds a retrieval
+task (a passcode in long filler, asked for at the end) at --needle-seq-len, and --train attention
+trains only the full-attention layers' attention. Held-out losses use --eval-seq-len windows
+whatever --seq-len is, and TRAINING.md sets them beside the model the stage started from.
 
 Example:
     python scripts/train_default_model.py --max-minutes 2 --out /tmp/smoke      # pipeline check
@@ -53,6 +57,17 @@ EOT = "<|endoftext|>"
 # tokens that stay in decoded text, because the output parser needs them.
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TAG_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+# The retrieval task (--needle-rows; bench/needle.py measures it at long context): a passcode
+# stated once inside long filler text and asked for at the end; loss only on the answer.
+NEEDLE = "The secret passcode is {code}. Remember it.\n"
+NEEDLE_QUESTION = "\nWhat is the secret passcode? The secret passcode is"
+NEEDLE_ANSWER = " {code}.\n"
+
+
+def passcode(rng: random.Random) -> str:
+    """A five-digit passcode (90000 possibilities: guessing one is right 0.001% of the time)."""
+    return str(rng.randint(10000, 99999))
 
 # ---------------------------------------------------------------------------------------------
 # Corpus: Python source
@@ -410,7 +425,7 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return Tokenizer.from_str(json.dumps(data))
 
 
-def tokenizer_config(tok) -> dict:
+def tokenizer_config(tok, context: int = 4096) -> dict:
     added = {}
     for tid, t in sorted(tok.get_added_tokens_decoder().items()):
         added[str(tid)] = {"content": t.content, "lstrip": False, "normalized": False, "rstrip": False,
@@ -424,7 +439,7 @@ def tokenizer_config(tok) -> dict:
         "unk_token": None,
         "clean_up_tokenization_spaces": False,
         "errors": "replace",
-        "model_max_length": 4096,
+        "model_max_length": context,
         "split_special_tokens": False,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": DEFAULT_CHAT_TEMPLATE,
@@ -451,8 +466,9 @@ def model_config(vocab_size: int, args):
         moe_intermediate_size=args.moe_intermediate_size,
         shared_expert_intermediate_size=args.shared_expert_intermediate_size,
         decoder_sparse_step=1, output_router_logits=True, router_aux_loss_coef=0.01,
-        max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                       "partial_rotary_factor": 0.25},
+        max_position_embeddings=args.max_position_embeddings or 4096,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta or 10000.0,
+                         "partial_rotary_factor": 0.25},
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
 
@@ -497,6 +513,28 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-on", choices=["assistant", "all"], default="assistant",
                     help="dialogue tokens that carry loss: only assistant turns (the long tool-definition "
                          "system prompts would otherwise dominate) or every token; code rows always use all")
+    ap.add_argument("--rope-theta", type=float, default=None,
+                    help="rope base of the full-attention layers (default: 10000, or the --init-from model's)")
+    ap.add_argument("--max-position-embeddings", type=int, default=None,
+                    help="the context the config declares (default: 4096, or the --init-from model's)")
+    ap.add_argument("--needle-rows", type=int, default=0,
+                    help="retrieval rows per step, besides the --batch-size ones: a passcode stated at a "
+                         "random line start of code or dialogue filler and asked for at the end, the loss "
+                         "only on the answer (mean over its tokens, times --needle-weight, added)")
+    ap.add_argument("--needle-seq-len", default="", metavar="L1,L2,...",
+                    help="lengths of the retrieval rows, cycled step by step (default: --seq-len)")
+    ap.add_argument("--needle-weight", type=float, default=1.0)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--note", default=None, help="a sentence about this stage for TRAINING.md (what was tried)")
+    ap.add_argument("--train", choices=["all", "attention"], default="all",
+                    help="parameters that learn: all, or only the full-attention layers' attention (the rest "
+                         "frozen: about half the compute per step, and the rest of the model unchanged)")
+    ap.add_argument("--eval-seq-len", type=int, default=512,
+                    help="window of the held-out losses (fixed, so that stages trained at different "
+                         "--seq-len compare)")
+    ap.add_argument("--eval-needles", type=int, default=40,
+                    help="retrieval checks at the longest --needle-seq-len after training (bench/needle.py "
+                         "measures longer ones)")
     ap.add_argument("--init-from", default=None, metavar="DIR",
                     help="continue training (fine-tune) the model in DIR, reusing its tokenizer files as they "
                          "are; the architecture arguments are then ignored")
@@ -564,12 +602,18 @@ def main(argv=None) -> int:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             if (out / name).resolve() != (init / name).resolve():
                 (out / name).write_bytes((init / name).read_bytes())
+        if args.max_position_embeddings:    # the tokenizer's model_max_length follows the context
+            tc = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+            if tc.get("model_max_length") != args.max_position_embeddings:
+                tc["model_max_length"] = args.max_position_embeddings
+                with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:
+                    json.dump(tc, f, indent=2, ensure_ascii=False)
     else:
         tok = train_tokenizer(train_code + train_dialogues, args.vocab_size)
         assert tok.get_vocab_size() == args.vocab_size, tok.get_vocab_size()
         tok.save(str(out / "tokenizer.json"))
         with open(out / "tokenizer_config.json", "w", encoding="utf-8") as f:
-            json.dump(tokenizer_config(tok), f, indent=2, ensure_ascii=False)
+            json.dump(tokenizer_config(tok, args.max_position_embeddings or 4096), f, indent=2, ensure_ascii=False)
     eot_id, im_end_id = tok.token_to_id(EOT), tok.token_to_id("<|im_end|>")
 
     opener, closer, empty_think = "<|im_start|>assistant\n", "<|im_end|>", "<think>\n\n</think>\n\n"
@@ -623,9 +667,14 @@ def main(argv=None) -> int:
 
     # -- model ----------------------------------------------------------------------------------
     if args.init_from:
-        model = Qwen3NextForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
-        config = model.config
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(args.init_from)
+        if args.rope_theta:
+            config.rope_parameters = dict(config.rope_parameters, rope_theta=args.rope_theta)
+        if args.max_position_embeddings:
+            config.max_position_embeddings = args.max_position_embeddings
         config.output_router_logits = True  # the router balance loss, as in the first training
+        model = Qwen3NextForCausalLM.from_pretrained(args.init_from, config=config, dtype=torch.float32)
         log(f"initialised from {args.init_from}")
     else:
         config = model_config(tok.get_vocab_size(), args)
@@ -638,6 +687,48 @@ def main(argv=None) -> int:
 
     gen = torch.Generator().manual_seed(args.seed)
     T = args.seq_len
+
+    # Token ids that end a line: a needle goes in at a line start.
+    ends_line = torch.tensor([(tok.id_to_token(i) or "").endswith("\u010a") for i in range(tok.get_vocab_size())])
+    needle_rng = random.Random(args.seed + 5)
+
+    def needle_row(length, fill_ids, fill_mask=None, fill_starts=None, with_needle=True):
+        """(row of length+1 tokens, labels, answer positions): filler with NEEDLE at a random line
+        start (or none: the control), NEEDLE_QUESTION and the answer at the end. Labels: the
+        filler's own (masked as its rows are), none on the needle and question, the answer's."""
+        code = passcode(needle_rng)
+        needle = torch.tensor(tok.encode(NEEDLE.format(code=code)).ids if with_needle else [], dtype=torch.long)
+        question = torch.tensor(tok.encode(NEEDLE_QUESTION).ids, dtype=torch.long)
+        answer = torch.tensor(tok.encode(NEEDLE_ANSWER.format(code=code)).ids, dtype=torch.long)
+        n_fill = length + 1 - len(needle) - len(question) - len(answer)
+        if fill_starts is not None:
+            s = int(fill_starts[torch.randint(len(fill_starts), (1,), generator=gen)])
+        else:
+            s = int(torch.randint(len(fill_ids) - n_fill, (1,), generator=gen))
+        s = min(s, len(fill_ids) - n_fill)
+        fill = fill_ids[s:s + n_fill]
+        flab = fill.clone()
+        if fill_mask is not None:
+            flab[~fill_mask[s:s + n_fill]] = -100
+        line_starts = ends_line[fill[:-1]].nonzero().flatten() + 1
+        p = int(line_starts[torch.randint(len(line_starts), (1,), generator=gen)]) if len(line_starts) else 0
+        none = lambda t: torch.full((len(t),), -100, dtype=torch.long)  # noqa: E731
+        row = torch.cat([fill[:p], needle, fill[p:], question, answer])
+        lab = torch.cat([flab[:p], none(needle), flab[p:], none(question), answer])
+        first = len(row) - len(answer)
+        return row, lab, range(first, len(row) - 1)   # the answer without its final newline
+
+    needle_lens = [int(v) for v in args.needle_seq_len.split(",") if v.strip()] or [T]
+
+    def needle_batch(length):
+        """(rows [N, length], answer positions [N, A]): half code filler, half dialogue filler."""
+        rows, answers = [], []
+        for i in range(args.needle_rows):
+            row, _, answer = needle_row(length, *((dlg_ids, dlg_mask, dlg_starts) if i % 2 else (code_ids,)))
+            rows.append(row[:-1])
+            answers.append(list(answer))
+        width = min(map(len, answers))
+        return torch.stack(rows), torch.tensor([a[:width] for a in answers])
 
     def batch():
         n_dlg = int(round(args.batch_size * args.dialogue_fraction))
@@ -659,14 +750,19 @@ def main(argv=None) -> int:
                 labels.append(rows[-1].clone())
         return torch.stack(rows), torch.stack(labels)
 
+    if args.train == "attention":
+        for n, p in model.named_parameters():
+            p.requires_grad_(".self_attn." in n)
     decay, no_decay = [], []
     for n, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in n else decay).append(p)
+    log(f"training {sum(p.numel() for p in decay + no_decay) / 1e6:.2f}M parameters ({args.train})")
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     budget_s = args.max_minutes * 60.0
     t_train = time.time()
-    step, ema = 0, None
+    step, ema, nema, needle_tokens = 0, None, None, 0
     model.train()
     while step < args.max_steps:
         elapsed = time.time() - t_train
@@ -683,13 +779,24 @@ def main(argv=None) -> int:
         loss = out_.loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.needle_rows:
+            xn, pos = needle_batch(needle_lens[step % len(needle_lens)])
+            hidden = model.model(input_ids=xn).last_hidden_state
+            # the answer token at position j is predicted from position j - 1
+            picked = hidden[torch.arange(len(xn))[:, None], pos - 1]
+            nloss = torch.nn.functional.cross_entropy(model.lm_head(picked).flatten(0, 1),
+                                                      xn[torch.arange(len(xn))[:, None], pos].flatten())
+            (args.needle_weight * nloss).backward()
+            needle_tokens += xn.numel()
+            nema = nloss.item() if step == 0 or nema is None else 0.98 * nema + 0.02 * nloss.item()
+        torch.nn.utils.clip_grad_norm_(decay + no_decay, 1.0)
         opt.step()
         step += 1
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        if step % 50 == 0 or step == 1:
-            log(f"step {step} loss {loss.item():.3f} (ema {ema:.3f}) lr {lr:.2e} "
-                f"{(time.time() - t_train) / step:.2f}s/step")
+        if step % args.log_every == 0 or step == 1:
+            log(f"step {step} loss {loss.item():.3f} (ema {ema:.3f})"
+                + (f" needle loss {nloss.item():.3f} (ema {nema:.3f})" if args.needle_rows else "")
+                + f" lr {lr:.2e} {(time.time() - t_train) / step:.2f}s/step")
     train_s = time.time() - t_train
     log(f"trained {step} steps in {train_s / 60:.1f} min")
 
@@ -708,6 +815,7 @@ def main(argv=None) -> int:
         """Mean nats/token over eval windows; with mask, only over the tokens it marks."""
         g = torch.Generator().manual_seed(1234)
         total, count = 0.0, 0
+        T = args.eval_seq_len
         for i in range(args.eval_windows):
             if starts is not None:
                 s = int(starts[i % len(starts)])
@@ -731,6 +839,24 @@ def main(argv=None) -> int:
         "unigram_dialogue_loss": unigram_baseline(train_all, held_dlg_ids, tok.get_vocab_size()),
     }
     log(f"held-out loss: {metrics}")
+
+    @torch.no_grad()
+    def retrieval(with_needle):
+        """Share of --eval-needles rows of held-out code (the longest --needle-seq-len) whose passcode the model
+        reproduces (greedy, token by token) after the question."""
+        gen.manual_seed(4321)
+        needle_rng.seed(4321)
+        hits = 0
+        for _ in range(args.eval_needles):
+            row, _, answer = needle_row(max(needle_lens), held_code_ids, with_needle=with_needle)
+            pred = model(input_ids=row[None, :answer[-1]]).logits[0].argmax(-1)
+            hits += all(int(pred[j - 1]) == int(row[j]) for j in answer)
+        return hits / max(1, args.eval_needles)
+
+    if args.eval_needles:
+        metrics["needle"] = {"context_tokens": max(needle_lens), "needles": args.eval_needles,
+                             "retrieved": retrieval(True), "retrieved_without_needle": retrieval(False)}
+        log(f"retrieval at {max(needle_lens)} tokens: {metrics['needle']}")
 
     samples = []
     t_eval = time.time()
@@ -788,9 +914,11 @@ def main(argv=None) -> int:
     st_bytes = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     report = {
         "seed": args.seed, "steps": step, "train_minutes": round(train_s / 60, 2),
-        "tokens_seen": step * args.batch_size * T, "params": n_params, "routed_expert_params": n_expert,
+        "tokens_seen": step * args.batch_size * T + needle_tokens, "params": n_params, "routed_expert_params": n_expert,
         "safetensors_bytes": st_bytes, "vocab_size": tok.get_vocab_size(),
         "layer_types": config.layer_types, "num_experts": config.num_experts,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rope_theta": config.rope_parameters["rope_theta"],
         "num_experts_per_tok": config.num_experts_per_tok, "args": vars(args), "metrics": metrics,
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "tokenizers": __import__("tokenizers").__version__, "python": sys.version.split()[0],
@@ -811,13 +939,45 @@ def previous_stage(init_dir: Path) -> dict | None:
     if not path.exists():
         return None
     prev = json.loads(path.read_text(encoding="utf-8"))
-    keep = ("seed", "steps", "train_minutes", "tokens_seen", "args", "metrics", "previous_stage")
+    keep = ("seed", "steps", "train_minutes", "tokens_seen", "args", "metrics", "max_position_embeddings",
+            "rope_theta", "previous_stage")
     return {k: prev[k] for k in keep if k in prev}
+
+
+def stages(r: dict) -> list[dict]:
+    """The training record and the ones it continued from, oldest first."""
+    chain = []
+    while r:
+        chain.append(r)
+        r = r.get("previous_stage")
+    return chain[::-1]
+
+
+def stage_line(p: dict) -> str:
+    a = p["args"]
+    extra = "".join([
+        f", plus {a['needle_rows']} retrieval rows of {a.get('needle_seq_len') or a['seq_len']} tokens per step"
+        if a.get("needle_rows") else "",
+        ", only the full-attention layers' attention trained" if a.get("train") == "attention" else "",
+        f", rope theta {a['rope_theta']:g}" if a.get("rope_theta") else "",
+        f", context {a['max_position_embeddings']}" if a.get("max_position_embeddings") else "",
+        ", from scratch" if not a.get("init_from") else ""])
+    return (f"{p['steps']} steps × {a['batch_size']} × {a['seq_len']} tokens ({p['tokens_seen'] / 1e6:.1f}M tokens) "
+            f"in {p['train_minutes']} min, lr {a['lr']}, loss on {a.get('loss_on', 'all')} tokens of dialogues{extra}")
 
 
 def write_markdown(path: Path, r: dict) -> None:
     m = r["metrics"]
     a = r["args"]
+    chain = stages(r)
+    before = r.get("previous_stage")
+    pm = before["metrics"] if before else None
+    cols = " | before this stage" if pm else ""
+
+    def row(name, key, base=None):
+        prev = f" | {pm[key]:.3f}" if pm and key in pm else (" | " if pm else "")
+        return f"| {name} | {m[key]:.3f}{prev} | {'' if base is None else f'{m[base]:.3f}'} |"
+
     lines = [
         "# Default model: how it was trained",
         "",
@@ -828,42 +988,49 @@ def write_markdown(path: Path, r: dict) -> None:
         f"- architecture: Qwen3NextForCausalLM, {r['params'] / 1e6:.2f}M parameters "
         f"({r['routed_expert_params'] / 1e6:.2f}M in routed experts), layer_types {r['layer_types']},",
         f"  {r['num_experts']} experts, top-{r['num_experts_per_tok']}, shared expert, hidden {a['hidden_size']}",
+        f"- context: {r.get('max_position_embeddings', 4096)} tokens (rope theta {r.get('rope_theta', 10000.0):g}, "
+        "rotary on a quarter of each full-attention head; the DeltaNet layers have no positions)",
         f"- tokenizer: byte-level BPE, vocab {r['vocab_size']}",
         f"- safetensors: {r['safetensors_bytes'] / 1e6:.1f} MB (fp32)",
-        f"- training: {r['steps']} steps × {a['batch_size']} × {a['seq_len']} tokens "
-        f"({r['tokens_seen'] / 1e6:.1f}M tokens) in {r['train_minutes']} min on {a['threads']} CPU thread(s), "
-        f"seed {r['seed']}, lr {a['lr']}, loss on {a.get('loss_on', 'all')} tokens of dialogues"
+        f"- this stage: {stage_line(r)}, on {a['threads']} CPU thread(s), seed {r['seed']}"
         + (f", continued from `{a['init_from']}`" if a.get("init_from") else ""),
-    ] + ([
-        f"- before that: {p['steps']} steps ({p['tokens_seen'] / 1e6:.1f}M tokens) in {p['train_minutes']} min, "
-        f"seq len {p['args']['seq_len']}, loss on {p['args'].get('loss_on', 'all')} tokens of dialogues, "
-        f"lr {p['args']['lr']} (its record is under `previous_stage` in TRAINING.json)"
-        for p in [r.get("previous_stage")] if p
-    ]) + [
+        "- stages, oldest first (each record is nested under `previous_stage` in TRAINING.json):",
+    ] + [f"  {i + 1}. {stage_line(p)}" + (f". {p['args']['note']}" if p["args"].get("note") else "")
+         for i, p in enumerate(chain)] + [
         "- arguments: `" + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in a.items()
-                                    if k != "out" and v is not None) + "`",
+                                    if k not in ("out", "note") and v is not None) + "`",
         f"- software: python {r['python']}, torch {r['torch']}, transformers {r['transformers']}, "
         f"tokenizers {r['tokenizers']}",
         "",
         "## Held-out results",
         "",
-        "| | model (nats/token) | unigram baseline |",
-        "|---|---|---|",
-        f"| stdlib files not trained on | {m['held_out_code_loss']:.3f} | {m['unigram_code_loss']:.3f} |",
-        f"| tool dialogues, unseen values and phrasings | {m['held_out_dialogue_loss']:.3f} | "
-        f"{m['unigram_dialogue_loss']:.3f} |",
+        f"Losses over {a.get('eval_seq_len', a['seq_len'])}-token windows.",
+        "",
+        f"| | model (nats/token){cols} | unigram baseline |",
+        "|---|---|---|" + ("---|" if pm else ""),
+        row("stdlib files not trained on", "held_out_code_loss", "unigram_code_loss"),
+        row("tool dialogues, unseen values and phrasings", "held_out_dialogue_loss", "unigram_dialogue_loss"),
     ] + ([
-        f"| the same dialogues, assistant turns only | {m['held_out_assistant_loss']:.3f} | |"
-    ] if "held_out_assistant_loss" in m else []) + [
+        row("the same dialogues, assistant turns only", "held_out_assistant_loss")
+    ] if "held_out_assistant_loss" in m else []) + ([
+        "",
+        f"Retrieval at {m['needle']['context_tokens']} tokens ({m['needle']['needles']} passcodes in held-out "
+        f"code; longer contexts: `bench/needle.py`): {m['needle']['retrieved']:.0%} reproduced; without the "
+        f"needle (chance) {m['needle']['retrieved_without_needle']:.0%}"
+        + (f"; before this stage {pm['needle']['retrieved']:.0%}" if pm and "needle" in pm else ""),
+    ] if "needle" in m else []) + [
         "",
         "Greedy generation after the generation prompt (thinking off) on held-out tool requests, "
         "a correct call needing the right name and exactly the expected arguments:",
         "",
-        "| held-out set | well-formed `<tool_call>{json}</tool_call>` | right tool name | exact arguments |",
-        "|---|---|---|---|",
+        "| held-out set | well-formed `<tool_call>{json}</tool_call>` | right tool name | exact arguments |"
+        + (" before this stage (the same three) |" if pm else ""),
+        "|---|---|---|---|" + ("---|" if pm else ""),
     ] + [
         f"| {k.replace('_', ' ')} ({m[k]['dialogues']}) | {m[k]['tool_call_well_formed']:.0%} | "
         f"{m[k]['tool_call_right_name']:.0%} | {m[k]['tool_call_exact_arguments']:.0%} |"
+        + (f" {pm[k]['tool_call_well_formed']:.0%} / {pm[k]['tool_call_right_name']:.0%} / "
+           f"{pm[k]['tool_call_exact_arguments']:.0%} |" if pm and k in pm else "")
         for k in ("unseen_values", "unseen_values_and_phrasings")
     ] + [
         "",
@@ -871,7 +1038,9 @@ def write_markdown(path: Path, r: dict) -> None:
         "client-written tools and results), counted when it is plain text ending with `<|im_end|>`:",
         "",
         f"- after a tool result: answers in text {m['after_tool_result']['answers_in_text']:.0%} "
-        f"({m['after_tool_result']['dialogues']} dialogues)",
+        f"({m['after_tool_result']['dialogues']} dialogues)"
+        + (f"; before this stage {pm['after_tool_result']['answers_in_text']:.0%}"
+           if pm and "after_tool_result" in pm else ""),
         "",
         "## Samples",
         "",

@@ -1,4 +1,5 @@
 """The built-in default model: it loads, streams through the tiers, and makes real tool calls."""
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,15 @@ def rt(tmp_path_factory):
 def test_default_model_fits_the_package_budget():
     size = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.iterdir() if f.is_file())
     assert size <= 25 * 2**20
+
+
+def test_context_holds_an_agent_prompt():
+    """OpenCode sends ~10.2k tokens before its first word: the context must hold 32k, and the
+    tokenizer's model_max_length says the same."""
+    config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    tok_config = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    assert config["max_position_embeddings"] >= 32768
+    assert tok_config["model_max_length"] == config["max_position_embeddings"]
 
 
 def test_streams_through_a_cache_smaller_than_the_model(rt):
