@@ -45,7 +45,7 @@ def worker(args) -> dict:
     from lean_qwenflash.runtime import Runtime, default_pack
     from lean_qwenflash.store import ExpertStore
 
-    pack_dir = Path(args.pack) if args.pack else default_pack()
+    pack_dir = Path(args.pack[0]) if args.pack else default_pack()
     overrides = {}
     if args.tier != "resident":
         store = ExpertStore.open(pack_dir)

@@ -247,7 +247,7 @@ def main() -> int:
     ap.add_argument("--prompt-sizes", default="32,512,4096", help="prompt lengths whose prefill is timed")
     ap.add_argument("--settings", default="warm,cached,nice19,nice0,capped")
     ap.add_argument("--cap-gib", type=float, help="cgroup memory cap (default: half the GGUF file)")
-    ap.add_argument("--host-cache-gib", type=float, help="our host expert cache under the cap (default: cap - 1 GiB)")
+    ap.add_argument("--host-cache-gib", type=float, help="our host expert cache under the cap (default: cap - 1 GiB, at least half the cap)")
     ap.add_argument("--cases", default="uniform,skewed", help="uniform / skewed (Q4_K_M files, near-uniform and "
                     "Zipf-like routing) and bf16 (the uniform model's bf16 GGUF, ~3.5x larger)")
     ap.add_argument("--engines", default="llama,ours", help="which engines to run (e.g. ours, for a before/after)")
@@ -266,7 +266,9 @@ def main() -> int:
     config = files["config"]
     file_bytes = files["gguf"]["uniform"].stat().st_size
     cap = int(args.cap_gib * 2**30) if args.cap_gib else file_bytes // 2
-    capped_cache = args.host_cache_gib if args.host_cache_gib else cap / 2**30 - 1.0
+    # (the rest of the cap holds the resident weights, the runtime and the page cache of the reads;
+    # a cap under 2 GiB leaves the host cache half of it)
+    capped_cache = args.host_cache_gib if args.host_cache_gib else max(cap / 2**30 - 1.0, cap / 2**30 / 2)
     sizes = [int(n) for n in args.prompt_sizes.split(",")]
     import random
     rng = random.Random(0)
