@@ -23,6 +23,16 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def evict_page_cache(path) -> None:
+    """Drop ``path``'s pages from the page cache (after writing back), so the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def run_json_worker(cmd: list, limit_bytes: int | None = None, name: str = "lqf-bench", env: dict | None = None) -> dict:
     """Run ``cmd`` (a worker printing one JSON line last) and return that JSON; inside a cgroup
     limited to ``limit_bytes`` (page cache counted) when given, with its peak usage and how

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from common import run_json_worker  # noqa: E402
+from common import evict_page_cache, run_json_worker  # noqa: E402
 
 CONFIG = {
     "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 4096,
@@ -175,15 +175,6 @@ def worker_ours(spec: dict) -> dict:
             "prefill_s": prefill, "decode_s": decode, "state_bytes": state_bytes}
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def worker_ttft(spec: dict) -> dict:
     """Follow-up TTFT at one prefix length (see the module docstring)."""
     import torch
@@ -233,7 +224,7 @@ def worker_ttft(spec: dict) -> dict:
         s = from_ram()
         ram_restore = time.perf_counter() - t0
         ram_ttft, ram_tokens = first_token(s)
-        _evict(file)
+        evict_page_cache(file)
         t0 = time.perf_counter()
         s = from_disk()
         disk_restore = time.perf_counter() - t0

@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import evict_page_cache  # noqa: E402
+
 
 def _timed(fn, repeats: int):
     times, out = [], None
@@ -31,15 +33,6 @@ def _timed(fn, repeats: int):
         out = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def main() -> int:
@@ -86,7 +79,7 @@ def main() -> int:
             t_warm, restored = _timed(lambda: disk.read(tuple(ids[:n])), args.repeats)
             colds = []
             for _ in range(args.repeats):
-                _evict(file)
+                evict_page_cache(file)
                 t0 = time.perf_counter()
                 disk.read(tuple(ids[:n]))
                 colds.append(time.perf_counter() - t0)
