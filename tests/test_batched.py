@@ -193,3 +193,28 @@ def test_engine_steps_its_generations_together(streamed_pack):
 
         assert asyncio.run(run()) == solo
         assert rows and max(rows) >= 2
+
+
+def test_a_failed_step_ends_its_generations_with_error(monkeypatch):
+    """A forward that raises: step_all hands each decoding generation the exception and ends it
+    ("error", so close() keeps no half-updated state); a lone step() raises and ends it likewise."""
+    c = hf_models.case("qwen3_moe")
+    model, _ = load_hf_checkpoint(c.path)
+    g = Generator(model)
+    prompts = _prompts(c)
+    gens = [g.start(q, GREEDY, 8) for q in prompts]
+    first = g.step_all(gens)                    # the prompts, then each one's first token
+    assert all(isinstance(t, int) for t in first)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+    monkeypatch.setattr(model, "forward_rows", broken)
+    out = g.step_all(gens)
+    assert all(isinstance(r, RuntimeError) for r in out)
+    assert all(x.done and x.finish_reason == "error" for x in gens)
+    alone = g.start(prompts[0], GREEDY, 8)
+    assert isinstance(alone.step(), int)
+    monkeypatch.setattr(g, "feed", broken)
+    with pytest.raises(RuntimeError):
+        alone.step()
+    assert alone.done and alone.finish_reason == "error" and alone.step() is None

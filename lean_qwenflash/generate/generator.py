@@ -213,7 +213,12 @@ class Generation:
         """One unit of work; the new token id, or None (a prefill chunk, or the end: see ``done``)."""
         out = self._advance(None)
         if out is _NEEDS_LOGITS:
-            out = self._advance(self.generator.feed([self._next_input], self.state))
+            try:
+                logits = self.generator.feed([self._next_input], self.state)
+            except BaseException:
+                self.fail()         # (the state may be half-updated: close() must not keep it)
+                raise
+            out = self._advance(logits)
         return out
 
     def _advance(self, logits: Optional[torch.Tensor]):
