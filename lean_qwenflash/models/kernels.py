@@ -159,11 +159,20 @@ def experts_decode(x: torch.Tensor, experts, weights, ctx: ExecContext = STANDAL
     return out
 
 
+# Fast mode: a call of at most this many tokens (a batched decode step of several sequences) runs
+# float expert records natively too: one native call instead of a gather + two F.linear + index_add
+# per expert (the default model, 4 sequences: those per-expert torch ops were 19% of a step).
+FLOAT_NATIVE_MAX_TOKENS = 16
+
+
 def prefill_native(x: torch.Tensor, experts, ctx: ExecContext) -> bool:
     """Whether many-token products with these experts run natively: fast mode on CPU and block-encoded
-    records (float records stay on torch's GEMM, which beats per-token dot products on them)."""
-    return (ctx.policy.kernel_mode == "fast" and x.device.type == "cpu" and isinstance(experts[0].gate_up, QuantTensor)
-            and isinstance(experts[0].down, QuantTensor) and _fast_ok(x, experts))
+    records, or float records for at most FLOAT_NATIVE_MAX_TOKENS tokens (for more, torch's GEMM
+    beats per-token dot products on them)."""
+    if ctx.policy.kernel_mode != "fast" or x.device.type != "cpu":
+        return False
+    encoded = isinstance(experts[0].gate_up, QuantTensor) and isinstance(experts[0].down, QuantTensor)
+    return (encoded or x.shape[0] <= FLOAT_NATIVE_MAX_TOKENS) and _fast_ok(x, experts)
 
 
 def experts_prefill(x: torch.Tensor, experts, counts, tokens, weights, out: torch.Tensor,
