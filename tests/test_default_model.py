@@ -1,4 +1,5 @@
 """The built-in default model: it loads, streams through the tiers, and makes real tool calls."""
+import ast
 import json
 import os
 import subprocess
@@ -77,3 +78,17 @@ def test_cli_generate_on_the_default_model(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), "no text generated"
     assert "hit%" in r.stderr and "tokens/s" in r.stderr and "host tier" in r.stderr
+
+
+def test_readme_python_example_runs_as_written():
+    """README's "From Python" block, run as a user would paste it (from the repo root): it answers,
+    steps three generations together and prints the tier statistics."""
+    text = (REPO / "README.md").read_text()
+    code = text.split("## From Python", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.strip().splitlines()
+    runs = [ast.literal_eval(line) for line in lines if line.startswith("[")]
+    assert len(runs) == 1 and len(runs[0]) == 3 and all(runs[0]), p.stdout     # the three runs' texts
+    assert "lookups" in p.stdout and "total" in p.stdout, p.stdout
