@@ -104,6 +104,21 @@ float dot_q4_0(const uint8_t* row, const Act& a, int cols) {
     return hsum(acc);
 }
 
+// q4_k / q5_k: sub-block pair c's 64 weights from 32 bytes of nibbles (low nibbles: the first 32,
+// high: the next) plus, for q5_k, the fifth bit of each from qh (bits 2c and 2c+1 of each byte).
+template <bool FIVE>
+static inline void k_quants(__m256i qb, __m256i qh, int c, __m256i m4, __m256i& lo, __m256i& hi) {
+    lo = _mm256_and_si256(qb, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+    if (FIVE) {
+        const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+        const __m256i bh = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
+    }
+}
+
 // q4_k and q5_k: value = d*sc_j*q - dmin*m_j. The q part runs in integers per sub-block; the
 // mins part is dmin * sum_j m_j * s_j with s_j the activation block sums.
 template <bool FIVE>
@@ -126,15 +141,8 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
         if (FIVE) qh = loadu(row + 16);
         for (int c = 0; c < 4; ++c) {
             const __m256i qb = loadu(qs + 32 * c);
-            __m256i lo = _mm256_and_si256(qb, m4);
-            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
-            if (FIVE) {
-                const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
-                const __m256i bh = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
-                const __m256i sixteen = _mm256_set1_epi8(16);
-                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
-            }
+            __m256i lo, hi;
+            k_quants<FIVE>(qb, qh, c, m4, lo, hi);
             const __m256i pl = dot_u8s8(lo, loadu(x + 64 * c));
             const __m256i ph = dot_u8s8(hi, loadu(x + 64 * c + 32));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_permutevar8x32_ps(eff, _mm256_set1_epi32(2 * c)), acc);
@@ -273,15 +281,8 @@ struct KAffineN {
             if (FIVE) qh = loadu(row + 16);
             for (int c = 0; c < 4; ++c) {
                 const __m256i qb = loadu(qs + 32 * c);
-                __m256i lo = _mm256_and_si256(qb, m4);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
-                if (FIVE) {
-                    const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
-                    const __m256i bh = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
-                    const __m256i sixteen = _mm256_set1_epi8(16);
-                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
-                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
-                }
+                __m256i lo, hi;
+                k_quants<FIVE>(qb, qh, c, m4, lo, hi);
                 for (int j = 0; j < N; ++j) {
                     const int8_t* xj = x.q[j] + QK * b + 64 * c;
                     const __m256i pl = dot_u8s8(lo, loadu(xj));
