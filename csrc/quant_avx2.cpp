@@ -104,6 +104,16 @@ float dot_q4_0(const uint8_t* row, const Act& a, int cols) {
     return hsum(acc);
 }
 
+// q6_k: half n of a 256-value block's 6-bit values (unsigned, 0..63) as four vectors of 32, from
+// its low nibbles (ql) and high 2-bit pairs (qh).
+static inline void q6_k_quants(const uint8_t* row, int n, __m256i m4, __m256i m30, __m256i q[4]) {
+    const __m256i L0 = loadu(row + 64 * n), L1 = loadu(row + 64 * n + 32), H = loadu(row + 128 + 32 * n);
+    q[0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+    q[1] = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4), _mm256_and_si256(H, m30));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+}
+
 // q4_k / q5_k: sub-block pair c's 64 weights from 32 bytes of nibbles (low nibbles: the first 32,
 // high: the next) plus, for q5_k, the fifth bit of each from qh (bits 2c and 2c+1 of each byte).
 template <bool FIVE>
@@ -163,12 +173,8 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
         const float d = h2f(row + 208);
         const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
         for (int n = 0; n < 2; ++n) {
-            const __m256i L0 = loadu(row + 64 * n), L1 = loadu(row + 64 * n + 32), H = loadu(row + 128 + 32 * n);
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
-            q[1] = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4), _mm256_and_si256(H, m30));
-            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+            q6_k_quants(row, n, m4, m30, q);
             for (int k = 0; k < 4; ++k) {
                 const int ab = 8 * b + 4 * n + k;
                 const __m256i x = loadu(a.q8.q + QA * ab);
@@ -318,12 +324,8 @@ struct Q6KN {
             const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
             for (int j = 0; j < N; ++j) _mm256_store_ps(dd[j], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x.d[j] + 8 * b)));
             for (int n = 0; n < 2; ++n) {
-                const __m256i L0 = loadu(row + 64 * n), L1 = loadu(row + 64 * n + 32), H = loadu(row + 128 + 32 * n);
                 __m256i q[4];
-                q[0] = _mm256_or_si256(_mm256_and_si256(L0, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
-                q[1] = _mm256_or_si256(_mm256_and_si256(L1, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
-                q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L0, 4), m4), _mm256_and_si256(H, m30));
-                q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+                q6_k_quants(row, n, m4, m30, q);
                 for (int k = 0; k < 4; ++k) {
                     const int ab = 8 * b + 4 * n + k;
                     const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
