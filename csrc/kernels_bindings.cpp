@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include "attention.h"
+#include "decode_step.h"
 #include "moe.h"
 #include "ops.h"
 
@@ -152,4 +153,45 @@ PYBIND11_MODULE(_kernels, m) {
             dequantize(ptr<const uint8_t>(src), enc, rows, cols, ptr<float>(dst), threads);
         },
         py::arg("src"), py::arg("enc"), py::arg("rows"), py::arg("cols"), py::arg("dst"), py::arg("threads"));
+    py::class_<AttentionStep>(m, "AttentionStep",
+                              "A layer's attention sub-block for one-token steps (csrc/decode_step.h); Python keeps "
+                              "the tensors its addresses point at alive.")
+        .def(py::init([](int hidden, int heads, int kv_heads, int head_dim, bool gated, uintptr_t in_norm, int in_norm_mode,
+                         float in_eps, const std::vector<uintptr_t>& w, const std::vector<int>& enc,
+                         const std::vector<int>& rows, const std::vector<uintptr_t>& bias, uintptr_t q_norm,
+                         uintptr_t k_norm, int qk_mode, float qk_eps, float scale, uintptr_t sinks) {
+                 if (w.size() != 4 || enc.size() != 4 || rows.size() != 4 || bias.size() != 4)
+                     throw std::invalid_argument("AttentionStep: w, enc, rows and bias need 4 entries (q, k, v, o)");
+                 if (!in_norm) throw std::invalid_argument("AttentionStep: the input norm needs a weight");
+                 if (!q_norm != !k_norm) throw std::invalid_argument("AttentionStep: q and k norms come together");
+                 AttentionStep s;
+                 s.hidden = hidden, s.heads = heads, s.kv_heads = kv_heads, s.head_dim = head_dim, s.gated = gated;
+                 s.in_norm = ptr<const float>(in_norm), s.in_norm_mode = in_norm_mode, s.in_eps = in_eps;
+                 for (int i = 0; i < 4; ++i) {
+                     if (!w[i]) throw std::invalid_argument("AttentionStep: a null weight");
+                     s.w[i] = ptr<const uint8_t>(w[i]), s.enc[i] = enc[i], s.rows[i] = rows[i];
+                     s.bias[i] = bias[i] ? ptr<const float>(bias[i]) : nullptr;
+                 }
+                 s.q_norm = q_norm ? ptr<const float>(q_norm) : nullptr;
+                 s.k_norm = k_norm ? ptr<const float>(k_norm) : nullptr;
+                 s.qk_mode = qk_mode, s.qk_eps = qk_eps, s.scale = scale;
+                 s.sinks = sinks ? ptr<const float>(sinks) : nullptr;
+                 return s;
+             }),
+             py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("gated"),
+             py::arg("in_norm"), py::arg("in_norm_mode"), py::arg("in_eps"), py::arg("w"), py::arg("enc"), py::arg("rows"),
+             py::arg("bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qk_mode"), py::arg("qk_eps"),
+             py::arg("scale"), py::arg("sinks"))
+        .def(
+            "run",
+            [](const AttentionStep& s, uintptr_t x, int rotary_dim, uintptr_t cos, uintptr_t sin, uintptr_t k_cache, uintptr_t v_cache,
+               int64_t head_stride, int64_t row_stride, int num_past, uintptr_t out, int threads, const std::string& isa) {
+                py::gil_scoped_release nogil;
+                attention_step(s, ptr<const float>(x), rotary_dim, cos ? ptr<const float>(cos) : nullptr,
+                               sin ? ptr<const float>(sin) : nullptr, ptr<float>(k_cache), ptr<float>(v_cache),
+                               head_stride, row_stride, num_past, ptr<float>(out), threads, isa);
+            },
+            py::arg("x"), py::arg("rotary_dim"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("head_stride"),
+            py::arg("row_stride"), py::arg("num_past"), py::arg("out"), py::arg("threads"), py::arg("isa") = "auto",
+            "out = x + the attention sub-block of x; writes the new key/value rows at num_past (strides in floats).");
 }

@@ -25,15 +25,7 @@ class KVCache:
         ``zero_slot``: the views also hold one zeroed slot after the last token (an attention sink's
         key and value), so the caller need not copy the cache to add it."""
         end = self.num_tokens + k.shape[2]
-        capacity = 0 if self.keys is None else self.keys.shape[2]
-        if end + zero_slot > capacity:
-            new_capacity = max(end + zero_slot, 2 * capacity, 64)
-            keys = k.new_empty(k.shape[:2] + (new_capacity, k.shape[3]))
-            values = v.new_empty(v.shape[:2] + (new_capacity, v.shape[3]))
-            if self.num_tokens:
-                keys[:, :, :self.num_tokens] = self.keys[:, :, :self.num_tokens]
-                values[:, :, :self.num_tokens] = self.values[:, :, :self.num_tokens]
-            self.keys, self.values = keys, values
+        self.reserve(end + zero_slot, k, v)
         self.keys[:, :, self.num_tokens:end] = k
         self.values[:, :, self.num_tokens:end] = v
         self.num_tokens = end
@@ -42,6 +34,21 @@ class KVCache:
             self.values[:, :, end] = 0
             return self.keys[:, :, :end + 1], self.values[:, :, :end + 1]
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def reserve(self, size: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for ``size`` tokens in all (growing by doubling, the cached ones kept), buffers shaped
+        and typed like k and v [B, kv_heads, *, D]; returns the whole buffers. (A native decode
+        step writes its token's row into them itself.)"""
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if size > capacity:
+            new_capacity = max(size, 2 * capacity, 64)
+            keys = k.new_empty(k.shape[:2] + (new_capacity, k.shape[3]))
+            values = v.new_empty(v.shape[:2] + (new_capacity, v.shape[3]))
+            if self.num_tokens:
+                keys[:, :, :self.num_tokens] = self.keys[:, :, :self.num_tokens]
+                values[:, :, :self.num_tokens] = self.values[:, :, :self.num_tokens]
+            self.keys, self.values = keys, values
+        return self.keys, self.values
 
     def clone(self) -> "KVCache":
         other = KVCache()

@@ -406,3 +406,104 @@ class FlatQKNormAttention(Attention):
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         return self.split_heads(q, k, v) + (None,)
+
+
+class AttentionStep:
+    """A layer's attention sub-block for one-token fast-mode CPU steps as one native call
+    (csrc/decode_step.h): the input norm, q/k/v, the per-head q/k norms, rope, the new cache row,
+    attention, the output gate, o_proj and the residual add — the kernels the separate calls use,
+    in their order, without the ~15 Python dispatches between them.
+
+    ``build`` returns None where the sub-block is not one it covers: another kernel mode, a KV
+    cache dtype other than f32, a matrix or norm the native kernels would not take in the separate
+    calls either (so the bits stay theirs), or an attention variant with more to it (OLMoE's flat
+    q/k norms and clipping, AfMoE's gate projection, MLA). A step whose sequence does not fit
+    (a batch, a sliding-window ring, another dtype) is refused by ``__call__`` (None): the caller
+    runs the separate calls."""
+
+    def __init__(self, attn: Attention, norm, handle, keep: list):
+        self.attn, self.policy = attn, attn.ctx.policy
+        # The tensors the handle points at, held: a model whose weights are replaced after this
+        # was built (not something a runtime does) still computes with these, never freed memory.
+        self.handle, self._keep = handle, keep
+        self._like = torch.empty(1, attn.num_kv_heads, 0, attn.head_dim)
+        self.hidden, self.use_rope = attn.q_proj.in_features, attn.use_rope
+
+    @staticmethod
+    def _f32(t) -> bool:
+        return t is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+    @classmethod
+    def _norm(cls, norm, dim: int):
+        """(weight, mode, eps) of an RMSNorm the separate calls run natively, else None."""
+        from lean_qwenflash.models.layers.norm import RMSNorm
+        if type(norm) is not RMSNorm or norm.weight.numel() != dim or not cls._f32(norm.weight) \
+                or dim > RMSNorm.NATIVE_MAX_VALUES:
+            return None
+        return norm.weight, 2 if norm.zero_centred else 1, float(norm.eps)
+
+    @classmethod
+    def build(cls, attn, norm) -> Optional["AttentionStep"]:
+        policy = attn.ctx.policy
+        if type(attn) not in (Attention, QueryGatedAttention, SinkAttention) or policy.kernel_mode != "fast" or policy.kv_cache_dtype != "f32" or not native.available() \
+                or attn.sliding_window is not None:
+            return None
+        from lean_qwenflash.quant.base import QuantRows
+        weights = []
+        for i, m in enumerate((attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
+            if m.qweight is not None:
+                w = m.qweight
+            elif policy.float_native and (i < 3 or m.weight.nbytes >= kernels.SPLIT_MIN_BYTES):
+                w = m.weight        # (as kernels.linears and Linear.forward take float weights)
+            else:
+                return None
+            if isinstance(w, QuantRows) or not native.supports(w) or (m.bias is not None and not cls._f32(m.bias)):
+                return None
+            weights.append((w, m))
+        hidden, dim = attn.q_proj.in_features, attn.head_dim
+        in_norm = cls._norm(norm, hidden)
+        if in_norm is None:
+            return None
+        qk = (None, 1, 0.0)
+        if attn.q_norm is not None:
+            qn, kn = cls._norm(attn.q_norm, dim), cls._norm(attn.k_norm, dim)
+            if qn is None or kn is None or qn[1:] != kn[1:]:
+                return None
+            qk = (qn[0], qn[1], qn[2], kn[0])
+        sinks = getattr(attn, "sinks", None) if isinstance(attn, SinkAttention) else None
+        if sinks is not None and not cls._f32(sinks.data):
+            return None
+        handle = native._K.AttentionStep(
+            hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=dim,
+            gated=isinstance(attn, QueryGatedAttention), in_norm=in_norm[0].data_ptr(), in_norm_mode=in_norm[1],
+            in_eps=in_norm[2], w=[native._address(w) for w, _ in weights],
+            enc=[native.encoding_id(w) for w, _ in weights], rows=[m.out_features for _, m in weights],
+            bias=[0 if m.bias is None else m.bias.data_ptr() for _, m in weights],
+            q_norm=0 if qk[0] is None else qk[0].data_ptr(), k_norm=0 if qk[0] is None else qk[3].data_ptr(),
+            qk_mode=qk[1], qk_eps=qk[2], scale=float(dim ** -0.5),
+            sinks=0 if sinks is None else sinks.data_ptr())
+        keep = [w for w, _ in weights] + [m.bias for _, m in weights] + [in_norm[0], qk[0], qk[-1], sinks]
+        return cls(attn, norm, handle, keep)
+
+    def __call__(self, x: torch.Tensor, rope, cache) -> Optional[torch.Tensor]:
+        """x + the sub-block of x [1, 1, H] continuing ``cache`` (a KVCache, updated), or None."""
+        from lean_qwenflash.generate.state import KVCache
+        if type(cache) is not KVCache or x.shape != (1, 1, self.hidden) or not self._f32(x):
+            return None
+        n = cache.num_tokens
+        if cache.keys is not None and (cache.keys.dtype != torch.float32 or cache.keys.shape[0] != 1):
+            return None
+        cos_p = sin_p = 0
+        rotary_dim = 0
+        if self.use_rope:
+            cos, sin = rope
+            if not (self._f32(cos) and self._f32(sin)) or cos.dim() != 2 or cos.shape[0] != 1 or sin.shape != cos.shape:
+                return None
+            cos_p, sin_p, rotary_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[1]
+        keys, values = cache.reserve(n + 1, self._like, self._like)
+        out = torch.empty_like(x)
+        policy = self.policy
+        self.handle.run(x.data_ptr(), rotary_dim, cos_p, sin_p, keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2),
+                        n, out.data_ptr(), native._threads(policy.native_threads), policy.isa)
+        cache.num_tokens = n + 1
+        return out

@@ -1,0 +1,117 @@
+"""The fused one-token attention sub-block (``AttentionStep``, csrc/decode_step.cpp): one native
+call that must give the bits of the separate fast-mode calls it replaces, where it runs and where
+it must not."""
+import pytest
+import torch
+
+from lean_qwenflash.config import load_config
+from lean_qwenflash.generate.state import new_state
+from lean_qwenflash.models import base, native
+from lean_qwenflash.models.layers import attention
+from lean_qwenflash.runtime import Runtime
+from lean_qwenflash.store import pack
+
+hf_models = pytest.importorskip("hf_models")
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
+
+# Families whose full-attention layers the fused step covers; the others keep the separate calls
+# (OLMoE: norms over the whole projection and clipping; AfMoE: a gate projection; DeepSeek: MLA).
+FUSED = ["qwen3_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "glm4_moe", "gpt_oss"]
+SEPARATE = ["olmoe", "afmoe", "deepseek_v3"]
+# Qwen3-Next's output gate: sigmoid in C++ vs torch's vectorised one may differ in the last bit.
+GATED = {"qwen3_next", "qwen3_5_moe"}
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_step")
+    made = {}
+
+    def get(family):
+        if family not in made:
+            model, _ = hf_models.make_hf_model(family, "quant")
+            ckpt = hf_models.save_checkpoint(model, str(root / f"ckpt-{family}"))
+            made[family] = root / f"pack-{family}"
+            pack(ckpt, made[family], quant="q4_k_m", progress=False)
+        return made[family]
+    return get
+
+
+def _decode(model, prompt_len: int, steps: int, fused: bool, monkeypatch, calls: list):
+    vocab = int(model.config["vocab_size"])
+    real = attention.AttentionStep.__call__
+
+    def counted(self, *a):
+        out = real(self, *a)
+        calls.append(out is not None)
+        return out
+    with monkeypatch.context() as m:
+        m.setattr(attention.AttentionStep, "__call__", counted)
+        if not fused:
+            m.setattr(base.DecoderLayer, "attention_step", lambda self: None)
+        state = new_state(model)
+        model(torch.arange(prompt_len).view(1, -1) * 7 % vocab, state, last_logits_only=True)
+        return torch.stack([model(torch.tensor([[(5 * i + 3) % vocab]]), state)[0, -1] for i in range(steps)])
+
+
+@pytest.mark.parametrize("family", FUSED + SEPARATE)
+def test_fused_attention_step_gives_the_separate_calls_bits(family, packs, monkeypatch):
+    """60 prompt tokens, then 10 decode steps: past the cache's first capacity (64 rows), so the
+    fused step also writes into a cache that has just grown."""
+    with Runtime.open(load_config(model=str(packs(family)), dtype="float32", expert_kernels="fast"),
+                      resident_experts=True) as rt, torch.inference_mode():
+        calls = []
+        fused = _decode(rt.model, 60, 10, True, monkeypatch, calls)
+        separate = _decode(rt.model, 60, 10, False, monkeypatch, [])
+    if family in SEPARATE:
+        assert not any(calls)
+        assert torch.equal(fused, separate)
+        return
+    full = sum(t != "linear_attention" for t in rt.model.layer_types)
+    assert sum(calls) >= 10 * (full if family != "gpt_oss" else 1), calls    # (GPT-OSS: its full layers only)
+    if family in GATED:
+        torch.testing.assert_close(fused, separate, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(fused, separate)
+
+
+def test_exact_mode_and_other_caches_keep_the_separate_calls(packs, monkeypatch):
+    path = str(packs("qwen3_moe"))
+    for cfg in (load_config(model=path, dtype="float32", expert_kernels="exact"),
+                load_config(model=path, dtype="float32", expert_kernels="fast", kv_cache_dtype="q8_0")):
+        with Runtime.open(cfg, resident_experts=True) as rt, torch.inference_mode():
+            calls = []
+            _decode(rt.model, 8, 3, True, monkeypatch, calls)
+            assert not any(calls)
+            assert all(layer.attention_step() is None for layer in rt.model._layers)
+
+
+def test_a_policy_change_rebuilds_the_step(packs):
+    with Runtime.open(load_config(model=str(packs("qwen3_moe")), dtype="float32", expert_kernels="fast"),
+                      resident_experts=True) as rt:
+        layer = rt.model._layers[0]
+        step = layer.attention_step()
+        assert step is not None and layer.attention_step() is step
+        rt.model.set_policy(rt.model.policy.with_kernels("exact"))
+        assert layer.attention_step() is None
+        rt.model.set_policy(rt.model.policy.with_kernels("fast"))
+        assert layer.attention_step() not in (None, step)
+
+
+def test_native_step_refuses_shapes_that_do_not_fit():
+    w = torch.zeros(64, 64)
+    norm = torch.ones(64)
+    args = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, gated=False, in_norm=norm.data_ptr(), in_norm_mode=1,
+                in_eps=1e-6, w=[w.data_ptr()] * 4, enc=[0] * 4, rows=[64, 32, 32, 64], bias=[0] * 4,
+                q_norm=0, k_norm=0, qk_mode=1, qk_eps=1e-6, scale=0.25, sinks=0)
+    step = native._K.AttentionStep(**args)
+    x, out = torch.randn(64), torch.empty(64)
+    cache = torch.zeros(2, 8, 16)
+    with pytest.raises(ValueError, match="row counts do not fit"):
+        native._K.AttentionStep(**dict(args, rows=[64, 64, 32, 64])).run(
+            x.data_ptr(), 0, 0, 0, cache.data_ptr(), cache.data_ptr(), 128, 16, 0, out.data_ptr(), 1)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        step.run(x.data_ptr(), 3, x.data_ptr(), x.data_ptr(), cache.data_ptr(), cache.data_ptr(), 128, 16, 0,
+                 out.data_ptr(), 1)
+    with pytest.raises(ValueError, match="q and k norms come together"):
+        native._K.AttentionStep(**dict(args, q_norm=norm.data_ptr()))
