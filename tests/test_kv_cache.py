@@ -395,3 +395,34 @@ def test_kv_cache_dtype_from_the_command_line():
     assert ExecPolicy.from_config(_runtime_config(args)).kv_cache_dtype == "q4_0"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "q2_k"])
+
+
+@pytest.mark.parametrize("past", [1, 300, 3000])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+def test_fast_chunk_over_f32_cache_takes_flash_calls_within_bound(past, heads, kv_heads, monkeypatch):
+    """Fast mode, a prompt chunk after the first over an f32 cache: two flash calls merged by
+    their log-sum-exps (``chunk_over_cache``), within the float bound of the float64 truth; exact
+    mode and a quantized cache keep their paths."""
+    num_q, dim = 37, 64
+    layer = Attention(64, heads, kv_heads, dim)
+    g = torch.Generator().manual_seed(past)
+    k_past, v_past = torch.randn(1, kv_heads, past, dim, generator=g), torch.randn(1, kv_heads, past, dim, generator=g)
+    q = torch.randn(1, heads, num_q, dim, generator=g) * 1.5
+    k, v = torch.randn(1, kv_heads, num_q, dim, generator=g), torch.randn(1, kv_heads, num_q, dim, generator=g)
+    calls = []
+    real = Attention.chunk_over_cache
+    monkeypatch.setattr(Attention, "chunk_over_cache", lambda self, *a: calls.append(1) or real(self, *a))
+    for policy, taken in ((ExecPolicy(kernel_mode="fast"), True), (ExecPolicy(kernel_mode="exact"), False),
+                          (ExecPolicy(kernel_mode="fast", kv_cache_dtype="q8_0"), False)):
+        layer.ctx = ExecContext(policy)
+        state = KVCache()
+        codec = KV_CODECS[policy.kv_cache_dtype]
+        state.append(codec.encode(k_past), codec.encode(v_past))
+        calls.clear()
+        with torch.no_grad():
+            got = layer.attention(q, k, v, state)
+        assert bool(calls) == taken and state.num_tokens == past + num_q
+        if taken:
+            keys, values = torch.cat((k_past, k), 2), torch.cat((v_past, v), 2)
+            ref = reference([q], [keys], values, dim ** -0.5, query_start=past)
+            assert torch.all((got.double() - ref).abs() <= float_bound([q], [keys], values, dim ** -0.5, past + num_q))

@@ -151,6 +151,7 @@ CHILD = textwrap.dedent("""
     torch.set_num_threads(spec["threads"])
     if spec.get("block"):      # the negative control: one block over the whole context
         attention.blocked_attention.__kwdefaults__["block"] = spec["block"]
+        attention.FAST_SDPA_MAX_KEYS = 0     # (every chunk through the blocked loop, not SDPA's tiles)
     rss_start = status("VmRSS")
     cfg = load_config(model=spec["pack"], kv_cache_dtype=spec["kv"], host_cache_bytes=spec["host_cache"],
                       cpu_threads=spec["threads"], generation={"prefill_chunk_tokens": spec["chunk"]})

@@ -35,6 +35,13 @@ from lean_qwenflash.quant import ENCODINGS
 
 KV_BLOCK_KEYS = 256      # cached keys per step of the blocked (online-softmax) attention
 EXACT_MAX_KEYS = 4096    # exact mode, f32 cache: SDPA over at most this many keys per step
+# Fast mode, f32 cache: a prompt chunk after the first, over up to this many cached keys, runs
+# torch's CPU flash kernel (``Attention.chunk_over_cache``): two calls without masks merged by their
+# log-sum-exps, 2-5x faster than the blocked loop's torch ops (256 x 32k keys at 4 heads: 84 vs
+# 404 ms; 512 x 4096 at 32 heads: 384 vs 788 ms), in tiles of its own (never chunk x context
+# scores). Beyond it, for the quantized caches, and where torch lacks the kernel: the blocked loop.
+FAST_SDPA_MAX_KEYS = 1 << 20
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 _FLOAT_NATIVE_IDS = {d: ENCODINGS[n].native_id for d, n in ((torch.float32, "f32"), (torch.float16, "f16"),
@@ -265,7 +272,7 @@ class Attention(nn.Module):
 
     def attention(self, q, k, v, state, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The cache in the policy's kv_cache_dtype; SDPA (f32 cache, at most EXACT_MAX_KEYS keys:
-        every step in exact mode; in fast mode a prompt's first chunk, which needs no mask) or the
+        every step in exact mode; in fast mode every chunk of a prompt, see FAST_SDPA_MAX_KEYS) or the
         blocked online softmax (native for one-token CPU steps). (SDPA's fused causal kernel runs a
         512-token chunk faster than the blocked loop's torch ops: 22% of a Q4_K_M prefill's time
         went there.)"""
@@ -280,6 +287,11 @@ class Attention(nn.Module):
                 if self.sliding_window is not None or sinks is not None:
                     return self.masked_attend(q, k, v, state, sinks)
                 return self.sdpa_attend(q, k, v, state)
+        elif codec.name == "f32" and q.shape[2] > 1 and state is not None and state.num_tokens > 0 \
+                and self.sliding_window is None and sinks is None and _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == torch.float32 \
+                and state.num_tokens + q.shape[2] <= FAST_SDPA_MAX_KEYS:
+            # fast mode, a later chunk of a prompt over an f32 cache
+            return self.chunk_over_cache(q, k, v, state)
         return self.blocked_attend(q, k, v, state, sinks, codec)
 
     def blocked_attend(self, q, k, v, state, sinks, codec: KVCodec) -> torch.Tensor:
@@ -316,6 +328,22 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.head_dim ** -0.5,
                                               enable_gqa=self.num_heads != self.num_kv_heads)
+
+    def chunk_over_cache(self, q, k, v, state) -> torch.Tensor:
+        """A prompt chunk over an f32 cache without masks: the cached keys, which every query of the
+        chunk sees, in one flash call (a GQA group's queries folded into rows: no copies of the
+        keys), the chunk's own keys in a causal one, and the two merged by their log-sum-exps."""
+        batch, heads, num_q, dim = q.shape
+        kv_heads = self.num_kv_heads
+        group, past, scale = heads // kv_heads, state.num_tokens, self.head_dim ** -0.5
+        keys, values = state.append(k, v)
+        o_past, lse_past = _FLASH_CPU(q.reshape(batch, kv_heads, group * num_q, dim), keys[:, :, :past],
+                                      values[:, :, :past], 0.0, False, scale=scale)
+        k_own, v_own = (k, v) if group == 1 else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+        o_own, lse_own = _FLASH_CPU(q, k_own, v_own, 0.0, True, scale=scale)
+        lse_past = lse_past.reshape(batch, heads, num_q, 1)
+        lse = torch.logaddexp(lse_past, lse_own.unsqueeze(-1))
+        return o_past.reshape(batch, heads, num_q, dim) * (lse_past - lse).exp_() + o_own * (lse_own.unsqueeze(-1) - lse).exp_()
 
     def output_gate(self, out: torch.Tensor, x: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
         """The attention output [B, T, heads*D] before o_proj: times sigmoid(gate) when there is one."""
