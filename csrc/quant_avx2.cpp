@@ -135,7 +135,8 @@ template <bool FIVE>
 float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     constexpr int BB = FIVE ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    // two accumulators (the low and the high half of each sub-block pair): two FMA chains, not one
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += BB) {
         prefetch_ahead(row, BB);
         uint64_t sc8, m8;
@@ -156,10 +157,10 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
             const __m256i pl = dot_u8s8(lo, loadu(x + 64 * c));
             const __m256i ph = dot_u8s8(hi, loadu(x + 64 * c + 32));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_permutevar8x32_ps(eff, _mm256_set1_epi32(2 * c)), acc);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_permutevar8x32_ps(eff, _mm256_set1_epi32(2 * c + 1)), acc);
+            acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_permutevar8x32_ps(eff, _mm256_set1_epi32(2 * c + 1)), acc2);
         }
     }
-    return hsum(acc) - hsum(accm);
+    return hsum(_mm256_add_ps(acc, acc2)) - hsum(accm);
 }
 
 float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<false>(row, a, cols); }
@@ -167,7 +168,7 @@ float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine
 
 float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};     // even and odd k: two FMA chains
     for (int b = 0; b < cols / QK; ++b, row += 210) {
         prefetch_ahead(row, 210);
         const float d = h2f(row + 208);
@@ -180,11 +181,12 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
                 const __m256i x = loadu(a.q8.q + QA * ab);
                 const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], x), _mm256_maddubs_epi16(k32, x));
                 const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_set1_ps(d * a.q8.d[ab]), acc);
+                acc[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_set1_ps(d * a.q8.d[ab]),
+                                             acc[k & 1]);
             }
         }
     }
-    return hsum(acc);
+    return hsum(_mm256_add_ps(acc[0], acc[1]));
 }
 
 // ---- many columns: one row against n activation vectors (prefill) ----
@@ -267,8 +269,8 @@ struct KAffineN {
         constexpr int BB = FIVE ? 176 : 144;
         const __m256i m4 = _mm256_set1_epi8(0xF);
         const Columns<N> x(acts);
-        __m256 acc[N], accm[N];
-        for (int j = 0; j < N; ++j) acc[j] = accm[j] = _mm256_setzero_ps();
+        __m256 acc[N], acc2[N], accm[N];
+        for (int j = 0; j < N; ++j) acc[j] = acc2[j] = accm[j] = _mm256_setzero_ps();
         alignas(32) float eff[N][8];     // column j's d * sc_k * (activation scale) per sub-block
         for (int b = 0; b < cols / QK; ++b, row += BB) {
             prefetch_ahead(row, BB);
@@ -294,11 +296,11 @@ struct KAffineN {
                     const __m256i pl = dot_u8s8(lo, loadu(xj));
                     const __m256i ph = dot_u8s8(hi, loadu(xj + 32));
                     acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_broadcast_ss(&eff[j][2 * c]), acc[j]);
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_broadcast_ss(&eff[j][2 * c + 1]), acc[j]);
+                    acc2[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_broadcast_ss(&eff[j][2 * c + 1]), acc2[j]);
                 }
             }
         }
-        for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]) - hsum(accm[j]);
+        for (int j = 0; j < N; ++j) out[j * stride] = hsum(_mm256_add_ps(acc[j], acc2[j])) - hsum(accm[j]);
     }
 };
 
@@ -315,8 +317,8 @@ struct Q6KN {
     static void run(const uint8_t* row, const Act* const* acts, const int16_t* const* off, int cols, float* out, size_t stride) {
         const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
         const Columns<N> x(acts);
-        __m256 acc[N];
-        for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+        __m256 acc[2][N];
+        for (int j = 0; j < N; ++j) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
         alignas(32) float dd[N][8];     // column j's d * (activation scale) per 32 values
         for (int b = 0; b < cols / QK; ++b, row += 210) {
             prefetch_ahead(row, 210);
@@ -331,12 +333,13 @@ struct Q6KN {
                     const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
                     for (int j = 0; j < N; ++j) {
                         const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], loadu(x.q[j] + QA * ab)), loadu(off[j] + 16 * ab));
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_broadcast_ss(&dd[j][4 * n + k]), acc[j]);
+                        acc[k & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)),
+                                                        _mm256_broadcast_ss(&dd[j][4 * n + k]), acc[k & 1][j]);
                     }
                 }
             }
         }
-        for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]);
+        for (int j = 0; j < N; ++j) out[j * stride] = hsum(_mm256_add_ps(acc[0][j], acc[1][j]));
     }
 };
 
