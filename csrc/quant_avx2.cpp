@@ -135,8 +135,9 @@ template <bool FIVE>
 float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     constexpr int BB = FIVE ? 176 : 144;
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    // two accumulators (the low and the high half of each sub-block pair): two FMA chains, not one
-    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    // two FMA chains, not one: the low halves of the sub-block pairs, and the high halves with the
+    // mins subtracted (the multi-column kernel keeps two registers per column, as before)
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += BB) {
         prefetch_ahead(row, BB);
         uint64_t sc8, m8;
@@ -145,7 +146,7 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
         const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
         const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
         const __m256 eff = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf), _mm256_loadu_ps(da));
-        accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), accm);
+        acc2 = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), acc2);
         const uint8_t* qs = row + (FIVE ? 48 : 16);
         const int8_t* x = a.q8.q + QK * b;
         __m256i qh;
@@ -160,7 +161,7 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
             acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_permutevar8x32_ps(eff, _mm256_set1_epi32(2 * c + 1)), acc2);
         }
     }
-    return hsum(_mm256_add_ps(acc, acc2)) - hsum(accm);
+    return hsum(_mm256_add_ps(acc, acc2));
 }
 
 float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<false>(row, a, cols); }
@@ -168,7 +169,7 @@ float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine
 
 float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};     // even and odd k: two FMA chains
+    __m256 acc = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += 210) {
         prefetch_ahead(row, 210);
         const float d = h2f(row + 208);
@@ -181,12 +182,11 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
                 const __m256i x = loadu(a.q8.q + QA * ab);
                 const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], x), _mm256_maddubs_epi16(k32, x));
                 const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
-                acc[k & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_set1_ps(d * a.q8.d[ab]),
-                                             acc[k & 1]);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_set1_ps(d * a.q8.d[ab]), acc);
             }
         }
     }
-    return hsum(_mm256_add_ps(acc[0], acc[1]));
+    return hsum(acc);
 }
 
 // ---- many columns: one row against n activation vectors (prefill) ----
@@ -269,8 +269,8 @@ struct KAffineN {
         constexpr int BB = FIVE ? 176 : 144;
         const __m256i m4 = _mm256_set1_epi8(0xF);
         const Columns<N> x(acts);
-        __m256 acc[N], acc2[N], accm[N];
-        for (int j = 0; j < N; ++j) acc[j] = acc2[j] = accm[j] = _mm256_setzero_ps();
+        __m256 acc[N], acc2[N];
+        for (int j = 0; j < N; ++j) acc[j] = acc2[j] = _mm256_setzero_ps();
         alignas(32) float eff[N][8];     // column j's d * sc_k * (activation scale) per sub-block
         for (int b = 0; b < cols / QK; ++b, row += BB) {
             prefetch_ahead(row, BB);
@@ -282,7 +282,7 @@ struct KAffineN {
             const __m256 dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf);
             for (int j = 0; j < N; ++j) {
                 _mm256_store_ps(eff[j], _mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[j] + 8 * b)));
-                accm[j] = _mm256_fmadd_ps(dmf, _mm256_loadu_ps(x.s[j] + 8 * b), accm[j]);
+                acc2[j] = _mm256_fnmadd_ps(dmf, _mm256_loadu_ps(x.s[j] + 8 * b), acc2[j]);
             }
             const uint8_t* qs = row + (FIVE ? 48 : 16);
             __m256i qh;
@@ -300,7 +300,7 @@ struct KAffineN {
                 }
             }
         }
-        for (int j = 0; j < N; ++j) out[j * stride] = hsum(_mm256_add_ps(acc[j], acc2[j])) - hsum(accm[j]);
+        for (int j = 0; j < N; ++j) out[j * stride] = hsum(_mm256_add_ps(acc[j], acc2[j]));
     }
 };
 
@@ -317,8 +317,8 @@ struct Q6KN {
     static void run(const uint8_t* row, const Act* const* acts, const int16_t* const* off, int cols, float* out, size_t stride) {
         const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
         const Columns<N> x(acts);
-        __m256 acc[2][N];
-        for (int j = 0; j < N; ++j) acc[0][j] = acc[1][j] = _mm256_setzero_ps();
+        __m256 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
         alignas(32) float dd[N][8];     // column j's d * (activation scale) per 32 values
         for (int b = 0; b < cols / QK; ++b, row += 210) {
             prefetch_ahead(row, 210);
@@ -333,13 +333,12 @@ struct Q6KN {
                     const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
                     for (int j = 0; j < N; ++j) {
                         const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], loadu(x.q[j] + QA * ab)), loadu(off[j] + 16 * ab));
-                        acc[k & 1][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)),
-                                                        _mm256_broadcast_ss(&dd[j][4 * n + k]), acc[k & 1][j]);
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_broadcast_ss(&dd[j][4 * n + k]), acc[j]);
                     }
                 }
             }
         }
-        for (int j = 0; j < N; ++j) out[j * stride] = hsum(_mm256_add_ps(acc[0][j], acc[1][j]));
+        for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]);
     }
 };
 
