@@ -21,8 +21,10 @@ definitions in several client styles, so that after a <tool_response> the model 
 whatever the shape. --init-from DIR continues training an existing model (and keeps its tokenizer
 files byte for byte); with --max-minutes 0 it only evaluates DIR. --max-position-embeddings and
 --rope-theta set the context the config declares and the rope base; --needle-rows adds a retrieval
-task (a passcode in long filler, asked for at the end) at --needle-seq-len, and --train attention
-trains only the full-attention layers' attention. Held-out losses use --eval-seq-len windows
+task (a passcode in long filler, asked for at the end) at --needle-seq-len, --copy-rows a dense copy
+task (a stretch of text, then the same stretch again: the loss on the repeat) that teaches the
+attention to look a token up and copy what followed it, and --train attention trains only the
+full-attention layers' attention. Held-out losses use --eval-seq-len windows
 whatever --seq-len is, and TRAINING.md sets them beside the model the stage started from.
 
 Example:
@@ -524,6 +526,13 @@ def main(argv=None) -> int:
     ap.add_argument("--needle-seq-len", default="", metavar="L1,L2,...",
                     help="lengths of the retrieval rows, cycled step by step (default: --seq-len)")
     ap.add_argument("--needle-weight", type=float, default=1.0)
+    ap.add_argument("--copy-rows", type=int, default=0,
+                    help="copy rows per step, besides the others: a random stretch of code or dialogue of "
+                         "half --copy-seq-len tokens, then the same stretch again, the loss only on the "
+                         "repeat (every token of it: a dense signal for the attention that looks a token up "
+                         "earlier in the context and copies what followed it, which retrieval needs)")
+    ap.add_argument("--copy-seq-len", type=int, default=256)
+    ap.add_argument("--copy-weight", type=float, default=1.0)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--note", default=None, help="a sentence about this stage for TRAINING.md (what was tried)")
     ap.add_argument("--train", choices=["all", "attention"], default="all",
@@ -730,6 +739,19 @@ def main(argv=None) -> int:
         width = min(map(len, answers))
         return torch.stack(rows), torch.tensor([a[:width] for a in answers])
 
+    def copy_batch():
+        """(rows [N, L], labels [N, L]): a stretch of L/2 tokens twice; labels on the repeat only
+        (its first token is unpredictable and not labelled)."""
+        half = args.copy_seq_len // 2
+        rows, labels = [], []
+        for i in range(args.copy_rows):
+            src = dlg_ids if i % 2 else code_ids
+            s = int(torch.randint(len(src) - half, (1,), generator=gen))
+            seg = src[s:s + half]
+            rows.append(torch.cat([seg, seg]))
+            labels.append(torch.cat([torch.full((half + 1,), -100, dtype=torch.long), seg[1:]]))
+        return torch.stack(rows), torch.stack(labels)
+
     def batch():
         n_dlg = int(round(args.batch_size * args.dialogue_fraction))
         rows, labels = [], []
@@ -762,7 +784,7 @@ def main(argv=None) -> int:
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     budget_s = args.max_minutes * 60.0
     t_train = time.time()
-    step, ema, nema, needle_tokens = 0, None, None, 0
+    step, ema, nema, cema, needle_tokens = 0, None, None, None, 0
     model.train()
     while step < args.max_steps:
         elapsed = time.time() - t_train
@@ -789,6 +811,12 @@ def main(argv=None) -> int:
             (args.needle_weight * nloss).backward()
             needle_tokens += xn.numel()
             nema = nloss.item() if step == 0 or nema is None else 0.98 * nema + 0.02 * nloss.item()
+        if args.copy_rows:
+            xc, yc = copy_batch()
+            closs = model(input_ids=xc, labels=yc).loss
+            (args.copy_weight * closs).backward()
+            needle_tokens += xc.numel()
+            cema = closs.item() if cema is None else 0.98 * cema + 0.02 * closs.item()
         torch.nn.utils.clip_grad_norm_(decay + no_decay, 1.0)
         opt.step()
         step += 1
@@ -796,6 +824,7 @@ def main(argv=None) -> int:
         if step % args.log_every == 0 or step == 1:
             log(f"step {step} loss {loss.item():.3f} (ema {ema:.3f})"
                 + (f" needle loss {nloss.item():.3f} (ema {nema:.3f})" if args.needle_rows else "")
+                + (f" copy loss {closs.item():.3f} (ema {cema:.3f})" if args.copy_rows else "")
                 + f" lr {lr:.2e} {(time.time() - t_train) / step:.2f}s/step")
     train_s = time.time() - t_train
     log(f"trained {step} steps in {train_s / 60:.1f} min")
