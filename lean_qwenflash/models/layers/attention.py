@@ -212,6 +212,8 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.transpose(1, 2)
         if self.use_rope:
+            if rope is None:
+                return None
             cos, sin = rope
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attend(q, k, v, state)
@@ -473,8 +475,8 @@ class AttentionStep:
     @classmethod
     def build(cls, attn, norm) -> Optional["AttentionStep"]:
         policy = attn.ctx.policy
-        if type(attn) not in (Attention, QueryGatedAttention, SinkAttention) or policy.kernel_mode != "fast" or policy.kv_cache_dtype != "f32" or not native.available() \
-                or attn.sliding_window is not None:
+        if type(attn) not in (Attention, QueryGatedAttention, SinkAttention) or policy.kernel_mode != "fast" \
+                or policy.kv_cache_dtype != "f32" or not native.available() or attn.sliding_window is not None:
             return None
         from lean_qwenflash.quant.base import QuantRows
         weights = []
@@ -494,6 +496,9 @@ class AttentionStep:
             return None
         qk = (None, 1, 0.0)
         if attn.q_norm is not None:
+            from lean_qwenflash.models.layers.norm import RMSNorm
+            if attn.num_heads * dim > RMSNorm.NATIVE_MAX_VALUES:    # (the separate calls' norm runs torch)
+                return None
             qn, kn = cls._norm(attn.q_norm, dim), cls._norm(attn.k_norm, dim)
             if qn is None or kn is None or qn[1:] != kn[1:]:
                 return None
@@ -524,6 +529,8 @@ class AttentionStep:
         cos_p = sin_p = 0
         rotary_dim = 0
         if self.use_rope:
+            if rope is None:
+                return None
             cos, sin = rope
             if not (self._f32(cos) and self._f32(sin)) or cos.dim() != 2 or cos.shape[0] != 1 or sin.shape != cos.shape:
                 return None
@@ -531,7 +538,7 @@ class AttentionStep:
         keys, values = cache.reserve(n + 1, self._like, self._like)
         out = torch.empty_like(x)
         policy = self.policy
-        self.handle.run(x.data_ptr(), rotary_dim, cos_p, sin_p, keys.data_ptr(), values.data_ptr(), keys.stride(1), keys.stride(2),
-                        n, out.data_ptr(), native._threads(policy.native_threads), policy.isa)
+        self.handle.run(x.data_ptr(), rotary_dim, cos_p, sin_p, keys.data_ptr(), values.data_ptr(), keys.stride(1),
+                        keys.stride(2), n, out.data_ptr(), native._threads(policy.native_threads), policy.isa)
         cache.num_tokens = n + 1
         return out
