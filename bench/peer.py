@@ -51,7 +51,8 @@ def model_config(experts_gib: float, layers: int) -> dict:
 
 def build_checkpoint(out: Path, config: dict, seed: int = 0, dtype=None, residual_scale: float = 1.0) -> None:
     """An HF checkpoint dir: one safetensors shard per layer, stacked expert tensors, bf16 (or ``dtype``).
-    ``residual_scale`` scales what each layer adds to the residual stream (o_proj, expert down):
+    ``residual_scale`` scales what each layer adds to the residual stream (o_proj, a DeltaNet's
+    out_proj, expert and shared-expert down):
     below 1 the token embedding stays dominant in deep layers, so routing stays token-dependent."""
     import torch
     from safetensors.torch import save_file
@@ -72,7 +73,7 @@ def build_checkpoint(out: Path, config: dict, seed: int = 0, dtype=None, residua
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
         t = {k: (1 + 0.1 * torch.randn(s, generator=gen)).to(dtype) if len(s) == 1 else
-             rand(s, s[-1] ** -0.5 * (residual_scale if k.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
+             rand(s, s[-1] ** -0.5 * (residual_scale if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")) else 1.0))
              for k, s in shapes.items() if k.startswith(prefix)}
         t[prefix + "mlp.experts.gate_up_proj"] = rand((experts, 2 * inter, hidden), hidden ** -0.5)
         t[prefix + "mlp.experts.down_proj"] = rand((experts, hidden, inter), inter ** -0.5 * residual_scale)

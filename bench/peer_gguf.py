@@ -4,7 +4,9 @@
 Builds once under --work: a seeded random Qwen3-MoE-shaped checkpoint (bench/peer.py's builder;
 --experts-gib of bf16 routed experts, 3 MiB each, over --layers layers, top-8, hidden 1024),
 exported to a bf16 GGUF and quantized by llama.cpp to Q4_K_M; the bf16 files are deleted once the
-Q4_K_M file exists. We pack that GGUF file (experts copied byte for byte).
+Q4_K_M file exists. We pack that GGUF file (experts copied byte for byte). The hybrid case is a
+Qwen3.5-MoE-shaped model with the same experts (``hybrid_config``), exported to llama.cpp's
+qwen35moe and quantized the same way.
 
 Routing. With a plain random init, routing collapses with depth, so the model is built with o_proj
 and expert down weights scaled by RESIDUAL_SCALE (0.1): routing stays token-dependent at every
@@ -76,20 +78,15 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int, cases: li
             export_gguf(ckpt, bf16, "bf16")
             shutil.rmtree(ckpt)
     if not files["uniform"].is_file():
-        print("quantizing with llama.cpp to Q4_K_M ...", file=sys.stderr, flush=True)
-        import llama_cpp
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
-        tmp = files["uniform"].with_suffix(".tmp")
-        if llama_cpp.llama_model_quantize(str(files["bf16"]).encode(), str(tmp).encode(), params) != 0:
-            raise SystemExit("llama_model_quantize failed")
-        tmp.rename(files["uniform"])
+        _llama_q4_k_m(files["bf16"], files["uniform"], threads)
     if not keep_bf16 and files["bf16"].is_file():
         files["bf16"].unlink()          # (the bf16 case keeps it: ~3.5x the Q4_K_M file)
     if not keep_bf16:
         del files["bf16"]
     if not files["skewed"].is_file():
         _skewed_copy(files)
+    if "hybrid" in cases:
+        files["hybrid"] = _hybrid_file(work, experts_gib, layers, threads)
     packs = {}
     for case, path in files.items():
         packs[case] = work / f"pack-{case}"
@@ -100,6 +97,53 @@ def prepare(work: Path, experts_gib: float, layers: int, threads: int, cases: li
 
 
 RESIDUAL_SCALE = 0.1     # what each layer adds to the residual stream, relative to a plain random init
+
+
+def hybrid_config(experts_gib: float, layers: int) -> dict:
+    """A Qwen3.5-MoE shape at the uniform model's size: the same experts (hidden 1024, width 512,
+    top-8, as many per layer), three Gated-DeltaNet layers to each full-attention layer (gated
+    queries, a quarter of each head rotated), a sigmoid-gated shared expert of width 512."""
+    import peer
+    base = peer.model_config(experts_gib, layers)
+    keep = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok", "rms_norm_eps",
+            "tie_word_embeddings", "max_position_embeddings")
+    return dict({k: base[k] for k in keep}, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe",
+                shared_expert_intermediate_size=512, full_attention_interval=4, linear_conv_kernel_dim=4,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=4,
+                linear_num_value_heads=8,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+
+
+def _hybrid_file(work: Path, experts_gib: float, layers: int, threads: int) -> Path:
+    """The hybrid model's GGUF: the checkpoint exported to bf16 (llama.cpp's qwen35moe), quantized by
+    llama.cpp to Q4_K_M; the checkpoint and the bf16 file are deleted once it exists."""
+    import peer
+    from lean_qwenflash.store.gguf_export import export_gguf
+    out = work / "model-hybrid-Q4_K_M.gguf"
+    if out.is_file():
+        return out
+    ckpt, bf16 = work / "checkpoint-hybrid", work / "model-hybrid-bf16.gguf"
+    if not bf16.is_file():
+        peer.build_checkpoint(ckpt, hybrid_config(experts_gib, layers), residual_scale=RESIDUAL_SCALE)
+        print("exporting the hybrid model to GGUF bf16 ...", file=sys.stderr, flush=True)
+        export_gguf(ckpt, bf16, "bf16")
+        shutil.rmtree(ckpt)
+    _llama_q4_k_m(bf16, out, threads)
+    bf16.unlink()
+    return out
+
+
+def _llama_q4_k_m(src: Path, dst: Path, threads: int) -> None:
+    """llama.cpp's own quantizer: ``src`` to a Q4_K_M file at ``dst`` (written aside, then renamed)."""
+    import llama_cpp
+    print(f"quantizing {src.name} with llama.cpp to Q4_K_M ...", file=sys.stderr, flush=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, threads
+    tmp = dst.with_suffix(".tmp")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize failed on {src}")
+    tmp.rename(dst)
 
 
 def _skewed_copy(files: dict) -> None:
@@ -249,7 +293,8 @@ def main() -> int:
     ap.add_argument("--cap-gib", type=float, help="cgroup memory cap (default: half the GGUF file)")
     ap.add_argument("--host-cache-gib", type=float, help="our host expert cache under the cap (default: cap - 1 GiB, at least half the cap)")
     ap.add_argument("--cases", default="uniform,skewed", help="uniform / skewed (Q4_K_M files, near-uniform and "
-                    "Zipf-like routing) and bf16 (the uniform model's bf16 GGUF, ~3.5x larger)")
+                    "Zipf-like routing), bf16 (the uniform model's bf16 GGUF, ~3.5x larger) and hybrid (a "
+                    "Qwen3.5-MoE-shaped Q4_K_M file: Gated-DeltaNet layers, a shared expert, the same experts)")
     ap.add_argument("--engines", default="llama,ours", help="which engines to run (e.g. ours, for a before/after)")
     ap.add_argument("--ours-repo", help="run our side from this checkout (PYTHONPATH), e.g. a baseline worktree")
     ap.add_argument("--work", default=str(REPO / "bench" / "results" / "peer_gguf"))
@@ -308,7 +353,8 @@ def _rates(m: dict, sizes: list, tokens: int) -> list:
 
 
 def print_table(rows, sizes, args, config, file_bytes, cap, capped_cache) -> None:
-    print(f"\nGGUF Q4_K_M made by llama.cpp from a random Qwen3-MoE-shaped model: {file_bytes / 2**30:.2f} GiB, "
+    print(f"\nGGUF Q4_K_M made by llama.cpp from a random Qwen3-MoE-shaped model (hybrid: Qwen3.5-MoE-shaped, "
+          f"the same experts): {file_bytes / 2**30:.2f} GiB, "
           f"{config['num_hidden_layers']} layers x {config['num_experts']} experts, top-{config['num_experts_per_tok']}; "
           f"{args.threads} threads; prefill of a fresh {'/'.join(map(str, sizes))}-token prompt, then {args.tokens} "
           f"decode steps (a fixed random token stream) after the {min(sizes)}-token prompt, first pass each. "

@@ -1,5 +1,6 @@
 """Streaming through the host/device tiers is lossless, eviction-safe and accounted for."""
 import random
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,8 @@ def test_eviction_stress_never_serves_wrong_expert(packs):
                 assert torch.equal(w.gate_up, ref[(layer, e)].gate_up), (step, layer, e)
                 assert torch.equal(w.down, ref[(layer, e)].down), (step, layer, e)
             tiers.release(layer, ids)
+            if step % 97 == 0:      # the per-layer count of held experts follows every eviction
+                assert tiers.host.held == Counter(key[0] for key in tiers.host.slot_of), step
         tiers.drain()
         total = tiers.stats.snapshot()["total"]
         assert total["prefetch_issued"] > 0
@@ -357,4 +360,40 @@ def test_reset_stats_forgets_earlier_prefetches(packs):
         assert t.prefetch_useful == 0 and t.hits_host == 2      # (it prefetches the next layer again: issued 2)
     finally:
         tiers.close()
+        store.close()
+
+
+def test_prefetch_skips_a_layer_the_host_tier_holds_whole(packs):
+    """With every expert of the next layer in the host tier there is nothing to read: the router is
+    not applied to guess (a decode step with the model cached costs what a resident one does). A
+    layer the tier holds only part of is still predicted."""
+    store = ExpertStore.open(packs["qwen3_moe"])
+    hidden, layers = int(store.config["hidden_size"]), store.moe_layers
+    calls = Counter()
+
+    def counting(layer):
+        def predict(h, n):
+            calls[layer] += 1
+            return torch.arange(n)[None]
+        return predict
+    total = sum(store.layer(l).num_experts for l in layers)
+    try:
+        for slots, whole in ((total, True), (store.layer(layers[0]).num_experts + 2, False)):
+            calls.clear()
+            tiers = TieredExperts(store, host_cache_bytes=slots * store.max_record_bytes, top_k=2,
+                                  predictors={l: counting(l) for l in layers[1:]}, prefetch=True)
+            try:
+                tiers.preload()
+                for layer in layers:
+                    tiers.layer_input(layer, torch.randn(1, hidden))
+                    tiers.acquire(layer, [0, 1])
+                    tiers.release(layer, [0, 1])
+                if whole:
+                    assert all(tiers.host.held[l] == store.layer(l).num_experts for l in layers)
+                    assert not calls and tiers.stats.total().prefetch_issued == 0
+                else:
+                    assert calls[layers[1]] == 1       # layer 1 is not held whole: guessed (and read)
+            finally:
+                tiers.close()
+    finally:
         store.close()

@@ -7,15 +7,20 @@ expert.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Hashable, Optional
+from collections import Counter, OrderedDict
+from typing import Callable, Hashable, Optional
 
 EMPTY, READING, READY = 0, 1, 2
 
 
 class SlotCache:
-    def __init__(self, num_slots: int):
+    """``group_of`` (optional): a key's group (a streaming provider's: the layer); ``held[g]`` then
+    counts the keys of group g that have a slot (READING or READY)."""
+
+    def __init__(self, num_slots: int, group_of: Optional[Callable] = None):
         self.num_slots = num_slots
+        self.group_of = group_of
+        self.held: Counter = Counter()
         self.key_of: list = [None] * num_slots
         self.slot_of: dict = {}
         self.state = [EMPTY] * num_slots
@@ -58,8 +63,12 @@ class SlotCache:
             slot, _ = self.lru.popitem(last=False)
             old = self.key_of[slot]
             del self.slot_of[old]
+            if self.group_of is not None:
+                self.held[self.group_of(old)] -= 1
         else:
             return None, None
+        if self.group_of is not None:
+            self.held[self.group_of(key)] += 1
         self.key_of[slot] = key
         self.slot_of[key] = slot
         self.state[slot] = READING
@@ -70,6 +79,8 @@ class SlotCache:
         key = self.key_of[slot]
         if key is not None:
             self.slot_of.pop(key, None)
+            if self.group_of is not None:
+                self.held[self.group_of(key)] -= 1
         self.key_of[slot] = None
         self.state[slot] = EMPTY
         self.lru.pop(slot, None)

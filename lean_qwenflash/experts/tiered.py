@@ -33,6 +33,10 @@ from .provider import ExpertProvider, ExpertWeights
 from .stats import TierStats
 
 
+def _layer_of(key) -> int:
+    return key[0]          # a host slot's key is (layer, expert id)
+
+
 class TieredExperts(ExpertProvider):
     # Routing-trace hook (experts/trace.py TraceWriter): called with (layer, ids) on every acquire.
     observer = None
@@ -56,7 +60,8 @@ class TieredExperts(ExpertProvider):
         # Never more slots than the pack has records: a small model does not get a 1 GiB arena.
         num_host = min(num_host, max(top_k, store.manifest.num_records))
         self.device = torch.device(device)
-        self.host = SlotCache(num_host)
+        self.host = SlotCache(num_host, group_of=_layer_of)
+        self._num_experts = {l: store.layer(l).num_experts for l in self.layers}
         self.arena = AlignedBuffer(num_host * self.slot_bytes)
         self.host_bytes = torch.frombuffer(self.arena, dtype=torch.uint8).view(num_host, self.slot_bytes)
         self._host_requests: dict[int, int] = {}         # slot -> engine request id, while READING
@@ -330,8 +335,8 @@ class TieredExperts(ExpertProvider):
         if hidden is None:
             return
         for nxt in self._next_layers[layer_idx][: self.prefetch_lookahead]:
-            if nxt not in self.predictors:
-                continue
+            if nxt not in self.predictors or self.host.held[nxt] >= self._num_experts[nxt]:
+                continue            # (the host tier holds every expert of that layer: nothing to read)
             for e in self._predict(nxt, hidden):
                 key = (nxt, e)
                 if (self.dev is not None and self.dev.lookup(key) is not None) or self.host.lookup(key) is not None:
