@@ -176,6 +176,8 @@ static Pool& pool(int num_threads) {
     return *p;
 }
 
+void parallel_run(int num_threads, int num_tasks, const std::function<void(int)>& fn) { pool(num_threads).run(num_tasks, fn); }
+
 // ---- activations ----
 
 struct ActBuf {

@@ -1,6 +1,7 @@
 // The kernel entry points bound as lean_qwenflash._kernels (see moe.cpp).
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -10,7 +11,9 @@ namespace lqf {
 
 std::vector<std::string> supported_isas();   // "scalar" always; "avx2", "avx512" if the CPU has them
 std::string best_isa();
-int set_spin(int iterations);   // idle workers' spin before sleeping; returns the previous value
+int set_spin(int iterations);
+// fn(0) .. fn(num_tasks - 1) on the kernel pool of num_threads threads (the caller works too).
+void parallel_run(int num_threads, int num_tasks, const std::function<void(int)>& fn);   // idle workers' spin before sleeping; returns the previous value
 const KernelTable& kernels_for(const std::string& isa);   // "auto" = best_isa()
 
 // out[rows] = W[rows, cols] . x[cols]  (x fp32; quantized to ActQ8 first for block encodings)

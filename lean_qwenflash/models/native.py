@@ -73,6 +73,11 @@ def _address(weight) -> int:
     return t.data_ptr()
 
 
+def is_f32(t) -> bool:
+    """Whether ``t`` is a contiguous fp32 CPU tensor (what a native call may read or write as is)."""
+    return t is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
 def supports(weight) -> bool:
     """Whether the native decode kernels can read this weight where it is."""
     if _K is None:

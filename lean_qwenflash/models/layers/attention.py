@@ -438,6 +438,11 @@ class FlatQKNormAttention(Attention):
         return self.split_heads(q, k, v) + (None,)
 
 
+def _native_norm(norm, dim: int):
+    """(weight, mode, eps) of an RMSNorm whose one-token calls run natively, else None."""
+    return norm.native_args(dim) if hasattr(norm, "native_args") else None
+
+
 class AttentionStep:
     """A layer's attention sub-block for one-token fast-mode CPU steps as one native call
     (csrc/decode_step.h): the input norm, q/k/v, the per-head q/k norms, rope, the new cache row,
@@ -459,19 +464,6 @@ class AttentionStep:
         self._like = torch.empty(1, attn.num_kv_heads, 0, attn.head_dim)
         self.hidden, self.use_rope = attn.q_proj.in_features, attn.use_rope
 
-    @staticmethod
-    def _f32(t) -> bool:
-        return t is not None and t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-
-    @classmethod
-    def _norm(cls, norm, dim: int):
-        """(weight, mode, eps) of an RMSNorm the separate calls run natively, else None."""
-        from lean_qwenflash.models.layers.norm import RMSNorm
-        if type(norm) is not RMSNorm or norm.weight.numel() != dim or not cls._f32(norm.weight) \
-                or dim > RMSNorm.NATIVE_MAX_VALUES:
-            return None
-        return norm.weight, 2 if norm.zero_centred else 1, float(norm.eps)
-
     @classmethod
     def build(cls, attn, norm) -> Optional["AttentionStep"]:
         policy = attn.ctx.policy
@@ -487,11 +479,11 @@ class AttentionStep:
                 w = m.weight        # (as kernels.linears and Linear.forward take float weights)
             else:
                 return None
-            if isinstance(w, QuantRows) or not native.supports(w) or (m.bias is not None and not cls._f32(m.bias)):
+            if isinstance(w, QuantRows) or not native.supports(w) or (m.bias is not None and not native.is_f32(m.bias)):
                 return None
             weights.append((w, m))
         hidden, dim = attn.q_proj.in_features, attn.head_dim
-        in_norm = cls._norm(norm, hidden)
+        in_norm = _native_norm(norm, hidden)
         if in_norm is None:
             return None
         qk = (None, 1, 0.0)
@@ -499,12 +491,12 @@ class AttentionStep:
             from lean_qwenflash.models.layers.norm import RMSNorm
             if attn.num_heads * dim > RMSNorm.NATIVE_MAX_VALUES:    # (the separate calls' norm runs torch)
                 return None
-            qn, kn = cls._norm(attn.q_norm, dim), cls._norm(attn.k_norm, dim)
+            qn, kn = _native_norm(attn.q_norm, dim), _native_norm(attn.k_norm, dim)
             if qn is None or kn is None or qn[1:] != kn[1:]:
                 return None
             qk = (qn[0], qn[1], qn[2], kn[0])
         sinks = getattr(attn, "sinks", None) if isinstance(attn, SinkAttention) else None
-        if sinks is not None and not cls._f32(sinks.data):
+        if sinks is not None and not native.is_f32(sinks.data):
             return None
         handle = native._K.AttentionStep(
             hidden=hidden, heads=attn.num_heads, kv_heads=attn.num_kv_heads, head_dim=dim,
@@ -521,7 +513,7 @@ class AttentionStep:
     def __call__(self, x: torch.Tensor, rope, cache) -> Optional[torch.Tensor]:
         """x + the sub-block of x [1, 1, H] continuing ``cache`` (a KVCache, updated), or None."""
         from lean_qwenflash.generate.state import KVCache
-        if type(cache) is not KVCache or x.shape != (1, 1, self.hidden) or not self._f32(x):
+        if type(cache) is not KVCache or x.shape != (1, 1, self.hidden) or not native.is_f32(x):
             return None
         n = cache.num_tokens
         if cache.keys is not None and (cache.keys.dtype != torch.float32 or cache.keys.shape[0] != 1):
@@ -532,7 +524,8 @@ class AttentionStep:
             if rope is None:
                 return None
             cos, sin = rope
-            if not (self._f32(cos) and self._f32(sin)) or cos.dim() != 2 or cos.shape[0] != 1 or sin.shape != cos.shape:
+            if not (native.is_f32(cos) and native.is_f32(sin)) or cos.dim() != 2 or cos.shape[0] != 1 \
+                    or sin.shape != cos.shape:
                 return None
             cos_p, sin_p, rotary_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[1]
         keys, values = cache.reserve(n + 1, self._like, self._like)

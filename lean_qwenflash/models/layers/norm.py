@@ -31,6 +31,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.zero_centred = zero_centred
 
+    def native_args(self, dim: int):
+        """(weight, mode, eps) for a fused native step that norms rows of ``dim`` values as this
+        norm's own one-token calls do natively, else None."""
+        if type(self) is not RMSNorm or self.weight.numel() != dim or not native.is_f32(self.weight) \
+                or dim > self.NATIVE_MAX_VALUES:
+            return None
+        return self.weight, 2 if self.zero_centred else 1, float(self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() >= 3 and x.shape[1] == 1 and x.numel() <= self.NATIVE_MAX_VALUES and x.dtype == torch.float32 \
                 and self.ctx.policy.kernel_mode == "fast" and x.device.type == "cpu" and native.available() \
