@@ -6,6 +6,7 @@
 
 #include "attention.h"
 #include "decode_step.h"
+#include "deltanet.h"
 #include "moe.h"
 #include "ops.h"
 
@@ -194,4 +195,44 @@ PYBIND11_MODULE(_kernels, m) {
             py::arg("x"), py::arg("rotary_dim"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("head_stride"),
             py::arg("row_stride"), py::arg("num_past"), py::arg("out"), py::arg("threads"), py::arg("isa") = "auto",
             "out = x + the attention sub-block of x; writes the new key/value rows at num_past (strides in floats).");
+
+    py::class_<DeltaNetStep>(m, "DeltaNetStep",
+                             "A layer's Gated-DeltaNet sub-block for one-token steps (csrc/deltanet.h); Python keeps "
+                             "the tensors its addresses point at alive.")
+        .def(py::init([](int hidden, int k_heads, int v_heads, int k_dim, int v_dim, int conv_kernel, bool split,
+                         uintptr_t in_norm, int in_norm_mode, float in_eps, const std::vector<uintptr_t>& w,
+                         const std::vector<int>& enc, const std::vector<int>& rows, uintptr_t conv, uintptr_t a_log,
+                         uintptr_t dt_bias, uintptr_t out_norm, float out_eps) {
+                 if (w.size() != 5 || enc.size() != 5 || rows.size() != 5)
+                     throw std::invalid_argument("DeltaNetStep: w, enc and rows need 5 entries");
+                 if (!in_norm || !conv || !a_log || !dt_bias || !out_norm)
+                     throw std::invalid_argument("DeltaNetStep: a null norm, conv, A_log or dt_bias");
+                 DeltaNetStep s;
+                 s.hidden = hidden, s.k_heads = k_heads, s.v_heads = v_heads, s.k_dim = k_dim, s.v_dim = v_dim;
+                 s.conv_kernel = conv_kernel, s.split = split;
+                 s.in_norm = ptr<const float>(in_norm), s.in_norm_mode = in_norm_mode, s.in_eps = in_eps;
+                 for (int i = 0; i < 5; ++i) {
+                     const bool used = split || i == 0 || i == 1 || i == 4;
+                     if (used && !w[i]) throw std::invalid_argument("DeltaNetStep: a null weight");
+                     s.w[i] = used ? ptr<const uint8_t>(w[i]) : nullptr, s.enc[i] = enc[i], s.rows[i] = rows[i];
+                 }
+                 s.conv = ptr<const float>(conv), s.a_log = ptr<const float>(a_log), s.dt_bias = ptr<const float>(dt_bias);
+                 s.out_norm = ptr<const float>(out_norm), s.out_eps = out_eps;
+                 return s;
+             }),
+             py::arg("hidden"), py::arg("k_heads"), py::arg("v_heads"), py::arg("k_dim"), py::arg("v_dim"),
+             py::arg("conv_kernel"), py::arg("split"), py::arg("in_norm"), py::arg("in_norm_mode"), py::arg("in_eps"),
+             py::arg("w"), py::arg("enc"), py::arg("rows"), py::arg("conv"), py::arg("a_log"), py::arg("dt_bias"),
+             py::arg("out_norm"), py::arg("out_eps"))
+        .def(
+            "run",
+            [](const DeltaNetStep& s, uintptr_t x, uintptr_t conv_state, uintptr_t recurrent, uintptr_t out, int threads,
+               const std::string& isa) {
+                py::gil_scoped_release nogil;
+                deltanet_step(s, ptr<const float>(x), ptr<float>(conv_state), ptr<float>(recurrent), ptr<float>(out),
+                              threads, isa);
+            },
+            py::arg("x"), py::arg("conv_state"), py::arg("recurrent"), py::arg("out"), py::arg("threads"),
+            py::arg("isa") = "auto",
+            "out = x + the DeltaNet sub-block of x; conv_state [C, K-1] and recurrent [Hv, Dk, Dv] updated in place.");
 }

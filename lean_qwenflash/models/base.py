@@ -12,6 +12,7 @@ from torch import nn
 
 from lean_qwenflash.models import native
 from lean_qwenflash.models.layers.attention import Attention, AttentionStep
+from lean_qwenflash.models.layers.deltanet import DeltaNetStep, GatedDeltaNet
 from lean_qwenflash.models.layers.linear import Embedding, Linear
 from lean_qwenflash.models.layers.rope import Rotary
 from lean_qwenflash.models.moe.block import SparseMoeBlock
@@ -32,28 +33,30 @@ class DecoderLayer(nn.Module):
         # path avoids nn.Module.__getattr__.
         self._blocks = (mixer, mlp)
 
-    # (policy, AttentionStep or None), built at the first one-token step under a policy
-    _attention_step = None
+    # (policy, AttentionStep / DeltaNetStep or None), built at the first one-token step under a policy
+    _mixer_step = None
 
     def forward(self, x: torch.Tensor, rope, state) -> torch.Tensor:
         mixer, mlp = self._blocks
         if x.shape[1] == 1:
-            step = self.attention_step()
+            step = self.mixer_step()
             y = None if step is None else step(x, rope, state)
-            if y is not None:        # the attention sub-block and its residual add in one native call
+            if y is not None:        # the mixer sub-block and its residual add in one native call
                 return y + mlp(self.post_attention_layernorm(y))
         x = x + mixer(self.input_layernorm(x), rope, state)
         return x + mlp(self.post_attention_layernorm(x))
 
-    def attention_step(self) -> Optional[AttentionStep]:
-        """This layer's fused one-token attention sub-block under the mixer's current policy, or
-        None where it has none (``AttentionStep.build``)."""
+    def mixer_step(self):
+        """This layer's fused one-token mixer sub-block under the mixer's current policy, or None
+        where it has none (``AttentionStep.build``, ``DeltaNetStep.build``)."""
         mixer = self._blocks[0]
-        if not isinstance(mixer, Attention):
+        kind = AttentionStep if isinstance(mixer, Attention) else DeltaNetStep if isinstance(mixer, GatedDeltaNet) \
+            else None
+        if kind is None:
             return None
-        built = self._attention_step
+        built = self._mixer_step
         if built is None or built[0] is not mixer.ctx.policy:
-            built = self._attention_step = (mixer.ctx.policy, AttentionStep.build(mixer, self.input_layernorm))
+            built = self._mixer_step = (mixer.ctx.policy, kind.build(mixer, self.input_layernorm))
         return built[1]
 
     # The two branches as steps (``forward_rows``); ``forward`` inlines them (the hot path).

@@ -8,9 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lean_qwenflash.models import kernels
+from typing import Optional
+
+from lean_qwenflash.models import kernels, native
 from lean_qwenflash.models.layers.linear import Linear
 from lean_qwenflash.models.layers.norm import GatedRMSNorm
+from lean_qwenflash.models.policy import STANDALONE
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -67,6 +70,8 @@ class GatedDeltaNet(nn.Module):
     ``in_proj_a``. The conv runs on channels [q all, k all, v all] either way.
     State: ``conv`` [B, C, K-1] (last conv inputs) and ``recurrent`` [B, Hv, Dk, Dv] (fp32).
     """
+
+    ctx = STANDALONE     # the model's ExecContext (CausalLM binds it): whether the fused step runs
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int, norm_eps: float, split_projections: bool = False):
@@ -165,3 +170,79 @@ class GatedDeltaNet(nn.Module):
         if state is not None:
             state.recurrent = recurrent
         return core.to(dtype)
+
+
+class DeltaNetStep:
+    """A layer's Gated-DeltaNet sub-block for one-token fast-mode CPU steps as one native call
+    (csrc/deltanet.h): the input norm, the projections, the conv step, the l2-normalised q/k, the
+    gated delta rule on the recurrent state, the gated output norm, out_proj and the residual add,
+    in fp32, instead of ~35 torch dispatches. Not bit-equal to the separate calls (its sums run in
+    another order): within ~1e-6 relative (tests/test_decode_step.py).
+
+    ``build`` returns None where the sub-block is not one it covers: another kernel mode, a matrix
+    or norm the native kernels cannot read. ``__call__`` refuses (None) a step it cannot take: a
+    batch, a state not in fp32; the caller then runs the separate calls."""
+
+    def __init__(self, net: GatedDeltaNet, handle, keep: list):
+        self.net, self.policy = net, net.ctx.policy
+        self.handle, self._keep = handle, keep       # (the tensors the handle points at, held)
+        self.hidden = net.out_proj.out_features
+        self._conv_shape = (1, net.conv_dim, net.conv_kernel_size - 1)
+        self._state_shape = (1, net.num_v_heads, net.head_k_dim, net.head_v_dim)
+
+    @classmethod
+    def build(cls, net, norm) -> Optional["DeltaNetStep"]:
+        policy = net.ctx.policy
+        if type(net) is not GatedDeltaNet or policy.kernel_mode != "fast" or not native.available():
+            return None
+        from lean_qwenflash.quant.base import QuantRows
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if net.split_projections else \
+            ("in_proj_qkvz", "in_proj_ba")
+        mods = [getattr(net, n) for n in names] + ([] if net.split_projections else [None, None]) + [net.out_proj]
+        weights = []
+        for m in mods:
+            if m is None:
+                weights.append(None)
+                continue
+            w = m.qweight if m.qweight is not None else m.weight
+            if isinstance(w, QuantRows) or not native.supports(w) or m.bias is not None \
+                    or (m.qweight is None and w.dtype != torch.float32):
+                return None
+            weights.append(w)
+        in_norm = norm.native_args(net.out_proj.out_features) if hasattr(norm, "native_args") else None
+        tensors = (net.conv1d.weight, net.A_log, net.dt_bias, net.norm.weight)
+        if in_norm is None or not all(native.is_f32(t) for t in tensors) or net.conv1d.bias is not None:
+            return None
+        conv = net.conv1d.weight.reshape(net.conv_dim, net.conv_kernel_size)
+        handle = native._K.DeltaNetStep(
+            hidden=net.out_proj.out_features, k_heads=net.num_k_heads, v_heads=net.num_v_heads,
+            k_dim=net.head_k_dim, v_dim=net.head_v_dim, conv_kernel=net.conv_kernel_size,
+            split=net.split_projections, in_norm=in_norm[0].data_ptr(), in_norm_mode=in_norm[1], in_eps=in_norm[2],
+            w=[0 if w is None else native._address(w) for w in weights],
+            enc=[0 if w is None else native.encoding_id(w) for w in weights],
+            rows=[0 if m is None else m.out_features for m in mods], conv=conv.data_ptr(),
+            a_log=net.A_log.data_ptr(), dt_bias=net.dt_bias.data_ptr(), out_norm=net.norm.weight.data_ptr(),
+            out_eps=float(net.norm.eps))
+        return cls(net, handle, [w for w in weights if w is not None] + [in_norm[0], conv, *tensors])
+
+    def __call__(self, x: torch.Tensor, rope, state) -> Optional[torch.Tensor]:
+        """x + the sub-block of x [1, 1, H] continuing ``state`` (a DeltaNetState, updated), or None."""
+        if state is None or x.shape != (1, 1, self.hidden) or not native.is_f32(x):
+            return None
+        conv, recurrent = state.conv, state.recurrent
+        if conv is None:
+            conv = torch.zeros(self._conv_shape)
+        elif tuple(conv.shape) != self._conv_shape or conv.dtype != torch.float32 or conv.device.type != "cpu":
+            return None
+        elif not conv.is_contiguous():          # (the torch path's one-token step leaves a view)
+            conv = conv.contiguous()
+        if recurrent is None:
+            recurrent = torch.zeros(self._state_shape)
+        elif tuple(recurrent.shape) != self._state_shape or not native.is_f32(recurrent):
+            return None
+        out = torch.empty_like(x)
+        policy = self.policy
+        self.handle.run(x.data_ptr(), conv.data_ptr(), recurrent.data_ptr(), out.data_ptr(),
+                        native._threads(policy.native_threads), policy.isa)
+        state.conv, state.recurrent = conv, recurrent
+        return out
