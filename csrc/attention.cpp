@@ -1,7 +1,7 @@
 // Decode attention (one query row per head) over a KV cache of float or q8_0 / q4_0 rows.
 //
 // Work is split into tasks of (kv head, span of SPAN keys); a task walks its span in tiles of TILE
-// keys: it dequantizes the tile's key rows (fp32, on the stack), takes the dot products with every
+// keys: it dequantizes the tile's key rows (fp32 rows are read where they are), takes the dot products with every
 // query head of its group, rescales its running (max, sum, accumulator) once per tile (online
 // softmax) and adds the tile's value rows (dequantized once, or the key rows themselves when the
 // values are the keys: MLA's latent). The spans' partial results are merged per head in span order,
@@ -15,11 +15,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
-#include <thread>
 
 #include "moe.h"
 #include "quant.h"
@@ -27,11 +25,11 @@
 namespace lqf {
 namespace {
 
-constexpr int SPAN = 1024;             // keys per task
+constexpr int SPAN = 256;              // keys per task
 constexpr int TILE = 32;               // keys per online-softmax step
 constexpr int MAX_DIM = 4096;          // widest cached row (padded)
 constexpr int MAX_GROUP = 128;         // query heads per kv head
-constexpr int PARALLEL_MIN_ROWS = 16384;   // kv heads x keys below which one thread does it all
+constexpr int PARALLEL_MIN_ROWS = 1024;    // kv heads x keys below which one thread does it all
 
 int padded_dim(int enc, int dim) { return enc_is_float(enc) ? dim : (dim + 31) / 32 * 32; }
 
@@ -53,6 +51,16 @@ void axpy_scalar(float* acc, float p, const float* x, int n) {
 
 void scale_scalar(float* x, float a, int n) {
     for (int i = 0; i < n; ++i) x[i] *= a;
+}
+
+// s[j] = exp(s[j] - m) for n scores; returns their sum (in order).
+float exp_sum_scalar(float* s, int n, float m) {
+    float total = 0.f;
+    for (int j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        total += s[j];
+    }
+    return total;
 }
 
 // ---- AVX2 ----
@@ -134,6 +142,44 @@ void scale_avx2(float* x, float a, int n) {
     for (; i < n; ++i) x[i] *= a;
 }
 
+// exp of 8 lanes: x = k ln2 + r (|r| <= ln2 / 2, ln2 split in two for the reduction), e^r by its
+// Taylor polynomial to r^6 (relative error ~2e-7), times 2^k built in the exponent bits; below
+// -87.3 (under FLT_MIN) the result is 0.
+inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.3f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+float exp_sum_avx2(float* s, int n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float total = hsum8(acc);
+    for (; j < n; ++j) {
+        s[j] = std::exp(s[j] - m);
+        total += s[j];
+    }
+    return total;
+}
+
 #pragma GCC pop_options
 
 struct Ops {
@@ -141,11 +187,12 @@ struct Ops {
     float (*dot)(const float* a, const float* b, int n);
     void (*axpy)(float* acc, float p, const float* x, int n);
     void (*scale)(float* x, float a, int n);
+    float (*exp_sum)(float* s, int n, float m);
 };
 
 const Ops& ops_for(const std::string& isa) {
-    static const Ops scalar{dequant_scalar, dot_scalar, axpy_scalar, scale_scalar};
-    static const Ops avx2{dequant_avx2, dot_avx2, axpy_avx2, scale_avx2};
+    static const Ops scalar{dequant_scalar, dot_scalar, axpy_scalar, scale_scalar, exp_sum_scalar};
+    static const Ops avx2{dequant_avx2, dot_avx2, axpy_avx2, scale_avx2, exp_sum_avx2};
     const std::string name = kernels_for(isa).name;   // validates the ISA against this CPU
     return name == "scalar" ? scalar : avx2;          // AVX-512 CPUs take the AVX2 path here
 }
@@ -163,7 +210,9 @@ void span_task(const Ops& op, const float* q, int qcols, int group, int head, co
     for (const auto& k : keys) width = std::max(width, padded_dim(k.enc, k.dim));
     // One tile of dequantized key rows per part, a value row, scores: O(TILE x row) per task.
     std::vector<float> buf(static_cast<size_t>(parts * TILE + 1) * width + static_cast<size_t>(group) * (TILE + 2));
-    auto krow = [&](int p, int j) { return &buf[(static_cast<size_t>(p) * TILE + j) * width]; };
+    auto krow_buf = [&](int p, int j) { return &buf[(static_cast<size_t>(p) * TILE + j) * width]; };
+    const float* kptr[4][TILE];          // this tile's key rows: the cache's own fp32 rows, or decoded ones
+    auto krow = [&](int p, int j) { return kptr[p][j]; };
     float* vrow = &buf[static_cast<size_t>(parts) * TILE * width];
     float* scores = vrow + width;
     float* m = scores + static_cast<size_t>(group) * TILE;
@@ -178,7 +227,15 @@ void span_task(const Ops& op, const float* q, int qcols, int group, int head, co
     for (int t0 = first; t0 < last; t0 += TILE) {
         const int n = std::min(TILE, last - t0);
         for (int p = 0; p < parts; ++p)
-            for (int j = 0; j < n; ++j) op.dequant(keys[p].enc, row_at(keys[p], head, t0 + j), keys[p].dim, krow(p, j));
+            for (int j = 0; j < n; ++j) {
+                const uint8_t* row = row_at(keys[p], head, t0 + j);
+                if (keys[p].enc == ENC_F32) {
+                    kptr[p][j] = reinterpret_cast<const float*>(row);
+                } else {
+                    op.dequant(keys[p].enc, row, keys[p].dim, krow_buf(p, j));
+                    kptr[p][j] = krow_buf(p, j);
+                }
+            }
         for (int g = 0; g < group; ++g) {
             const float* qg = q + (static_cast<int64_t>(head) * group + g) * qcols;
             float tile_max = -std::numeric_limits<float>::infinity();
@@ -194,16 +251,18 @@ void span_task(const Ops& op, const float* q, int qcols, int group, int head, co
                 op.scale(acc_out + g * dv, alpha, dv);
                 m[g] = tile_max;
             }
-            for (int j = 0; j < n; ++j) {
-                s(g, j) = std::exp(s(g, j) - m[g]);
-                l[g] += s(g, j);
-            }
+            l[g] += op.exp_sum(&s(g, 0), n, m[g]);
         }
         for (int j = 0; j < n; ++j) {
             const float* v = krow(0, j);
             if (!values_are_key0) {
-                op.dequant(values.enc, row_at(values, head, t0 + j), dv, vrow);
-                v = vrow;
+                const uint8_t* row = row_at(values, head, t0 + j);
+                if (values.enc == ENC_F32) {
+                    v = reinterpret_cast<const float*>(row);
+                } else {
+                    op.dequant(values.enc, row, dv, vrow);
+                    v = vrow;
+                }
             }
             for (int g = 0; g < group; ++g) op.axpy(acc_out + g * dv, s(g, j), v, dv);
         }
@@ -249,18 +308,10 @@ void attention_decode(const float* q, int num_heads, int num_kv_heads, const std
                   std::min(num_keys, (span + 1) * SPAN), scale, &m[at], &l[at], &acc[at * dv]);
     };
     const int64_t rows = static_cast<int64_t>(num_kv_heads) * num_keys;
-    const int workers = rows < PARALLEL_MIN_ROWS ? 1 : std::min(std::max(1, num_threads), tasks);
-    if (workers == 1) {
+    if (rows < PARALLEL_MIN_ROWS || num_threads <= 1 || tasks == 1) {
         for (int t = 0; t < tasks; ++t) run(t);
-    } else {   // long contexts only: a few threads claim tasks (thread start-up is small beside the work)
-        std::atomic<int> next{0};
-        auto claim = [&] {
-            for (int t; (t = next.fetch_add(1)) < tasks;) run(t);
-        };
-        std::vector<std::thread> pool;
-        for (int i = 1; i < workers; ++i) pool.emplace_back(claim);
-        claim();
-        for (auto& th : pool) th.join();
+    } else {   // the kernel pool's threads claim the tasks (the caller too)
+        parallel_run(num_threads, tasks, run);
     }
     // Merge the spans of each query head in order, with the sink (a key of logit sinks[h], value 0).
     for (int h = 0; h < num_heads; ++h) {

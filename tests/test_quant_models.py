@@ -84,6 +84,36 @@ def test_streamed_equals_resident_bit_for_bit(family, preset, packs):
             assert stats["total"]["misses"] > 0      # it really streamed (the "all" budget misses once each)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss", "deepseek_v3"])
+def test_streamed_prefill_in_runs_equals_resident_bit_for_bit(family, packs, monkeypatch):
+    """A streamed prefill computes a group's experts in runs as their reads land
+    (``TieredExperts.acquire_runs``): runs of 1 and 3 experts, cold and small caches, give the
+    resident bits in both kernel modes, and the runs really were that short."""
+    from lean_qwenflash.experts.tiered import TieredExperts
+    from lean_qwenflash.models.moe import block
+    path = packs(family, "q4_k_m")
+    with ExpertStore.open(path) as store:
+        slot, total = store.max_record_bytes, store.manifest.num_records
+        top_k = int(store.config["num_experts_per_tok"])
+    real, sizes = TieredExperts.acquire_runs, []
+
+    def recorded(self, layer, ids, run):
+        for part in real(self, layer, ids, run):
+            sizes.append(len(part[0]))
+            yield part
+    monkeypatch.setattr(TieredExperts, "acquire_runs", recorded)
+    for mode in ("exact", "fast"):
+        ref_logits, ref_tokens, _ = _run(load_config(model=str(path), expert_kernels=mode), resident=True)
+        for run, budget in ((1, top_k * slot), (3, max(top_k, total // 4) * slot), (3, total * slot)):
+            monkeypatch.setattr(block, "STREAM_RUN_EXPERTS", run)
+            sizes.clear()
+            logits, tokens, stats = _run(load_config(model=str(path), expert_kernels=mode, host_cache_bytes=budget))
+            assert torch.equal(logits, ref_logits), (mode, run, budget)
+            assert tokens == ref_tokens
+            assert stats["total"]["misses"] > 0
+            assert sizes.count(run) >= 2, sizes      # (groups with misses came in runs; cached ones whole)
+
+
 def _dequantized_reference(path):
     """The pack's model with every expert dequantized to fp32 and held as float tensors."""
     with ExpertStore.open(path) as store:

@@ -178,6 +178,13 @@ class TieredExperts(ExpertProvider):
 
     def _ensure_host(self, layer_idx: int, expert_ids: Sequence[int], count: bool = True) -> list[int]:
         """Pinned, READY host slots holding the given experts; demand reads for misses."""
+        slots, waits = self._pin_host(layer_idx, expert_ids, count)
+        self._wait_host(layer_idx, waits)
+        return slots
+
+    def _pin_host(self, layer_idx: int, expert_ids: Sequence[int], count: bool = True) -> tuple[list, list]:
+        """Pinned host slots for the given experts, demand reads submitted for the misses (all at
+        once: the engine's queue depth works on them together); returns (slots, slots still READING)."""
         st = self.stats.layers[layer_idx]
         slots, waits = [], []
         for e in expert_ids:
@@ -199,16 +206,20 @@ class TieredExperts(ExpertProvider):
                 self._host_submit(slot, layer_idx, e, urgent=True)
                 waits.append(slot)
             slots.append(slot)
-        if waits:
-            t0 = time.perf_counter()
-            try:
-                for slot in waits:
-                    if slot in self._speculative:
-                        self._speculative.remove(slot)
-                    self._finish_host(slot)
-            finally:
-                st.stall_time_s += time.perf_counter() - t0
-        return slots
+        return slots, waits
+
+    def _wait_host(self, layer_idx: int, waits: Sequence[int]) -> None:
+        """Wait for the reads into these pinned host slots (in order) and make them READY."""
+        if not waits:
+            return
+        t0 = time.perf_counter()
+        try:
+            for slot in waits:
+                if slot in self._speculative:
+                    self._speculative.remove(slot)
+                self._finish_host(slot)
+        finally:
+            self.stats.layers[layer_idx].stall_time_s += time.perf_counter() - t0
 
     # -- device tier ----------------------------------------------------------------------------
     def _acquire_device(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
@@ -286,6 +297,38 @@ class TieredExperts(ExpertProvider):
         if self.prefetch:
             self._prefetch_after(layer_idx)
         return views
+
+    def acquire_runs(self, layer_idx: int, expert_ids: Sequence[int], run: int):
+        """``acquire`` of ``expert_ids`` whose results arrive as they land: every miss is submitted at
+        once, then (ids, weights) of consecutive runs of ``run`` experts are yielded in order, each as
+        soon as its own reads are done, so that a prefill computes the first experts while the disk
+        reads the rest. The slots stay pinned until ``release(layer_idx, expert_ids)``. (With a device
+        tier every run waits for the whole acquire.)"""
+        if self.dev is not None:
+            views = self.acquire(layer_idx, expert_ids)
+            for i in range(0, len(views), run):
+                yield list(expert_ids[i:i + run]), views[i:i + run]
+            return
+        expert_ids = [int(e) for e in expert_ids]
+        if self.observer is not None:
+            self.observer(layer_idx, expert_ids)
+        self.stats.layers[layer_idx].lookups += len(expert_ids)
+        self._reap_speculative()
+        slots, waits = self._pin_host(layer_idx, expert_ids)
+        self._pinned.setdefault(layer_idx, []).append(("host", slots))
+        if self.prefetch:
+            self._prefetch_after(layer_idx)          # (the next layer's guesses queue behind these)
+        if not waits:
+            run = len(slots)             # (everything cached: one run)
+        reading, done = set(waits), 0
+        try:
+            for i in range(0, len(slots), run):
+                part = slots[i:i + run]
+                self._wait_host(layer_idx, [s for s in part if s in reading])
+                done = i + len(part)
+                yield expert_ids[i:i + run], [self._view(self.host_bytes, "host", s, layer_idx) for s in part]
+        finally:      # (stopped early: no read may still be landing in a slot once it is released)
+            self._wait_host(layer_idx, [s for s in slots[done:] if s in reading])
 
     def release(self, layer_idx: int, expert_ids: Sequence[int]) -> None:
         stack = self._pinned.get(layer_idx)

@@ -39,34 +39,48 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     token_of = order // top_k
     weight_of = weights.reshape(-1)[order]
     out = torch.zeros_like(x)
-    x32 = out32 = None          # fast mode on encoded records: one native call per group, fp32
+    x32 = out32 = None          # fast mode on encoded records: one native call per run, fp32
     pos = 0
     # A streaming provider may hold fewer experts at once than a long prefill selects; the
-    # experts are then taken in groups, in the same order, so the sum is unchanged.
+    # experts are then taken in groups, in the same order, so the sum is unchanged. One that can
+    # serve a group in runs as their reads land (``acquire_runs``) lets the first runs compute
+    # while the rest are read; the runs keep the order too.
     group = getattr(provider, "max_experts_per_acquire", None) or len(expert_ids)
+    acquire_runs = getattr(provider, "acquire_runs", None)
     for start in range(0, len(expert_ids), group):
         ids, group_counts = expert_ids[start:start + group], counts[start:start + group]
-        experts = provider.acquire(layer_idx, ids)
+        runs = acquire_runs(layer_idx, ids, STREAM_RUN_EXPERTS) if acquire_runs is not None else \
+            [(ids, provider.acquire(layer_idx, ids))]
         try:
-            if expert_fn is None and kernels.prefill_native(x, experts, ctx):
-                if out32 is None:       # (fp32 compute: the native call adds straight into out)
-                    x32 = x.float().contiguous()
-                    out32 = out if out.dtype == torch.float32 else torch.zeros(x.shape, dtype=torch.float32)
-                n = sum(group_counts)
-                kernels.experts_prefill(x32, experts, torch.tensor(group_counts, dtype=torch.int32),
-                                        token_of[pos:pos + n], weight_of[pos:pos + n], out32, ctx)
-                pos += n
-                continue
-            for e, w, count in zip(ids, experts, group_counts):
-                rows = token_of[pos:pos + count]
-                xs = x.index_select(0, rows)
-                y = (kernels.expert_mlp(xs, w, ctx) if expert_fn is None else expert_fn(xs, w, e, ctx))
-                y = y.mul_(weight_of[pos:pos + count, None])
-                out.index_add_(0, rows, y)
-                pos += count
+            first = 0
+            for run_ids, experts in runs:
+                run_counts = group_counts[first:first + len(run_ids)]
+                first += len(run_ids)
+                if expert_fn is None and kernels.prefill_native(x, experts, ctx):
+                    if out32 is None:       # (fp32 compute: the native call adds straight into out)
+                        x32 = x.float().contiguous()
+                        out32 = out if out.dtype == torch.float32 else torch.zeros(x.shape, dtype=torch.float32)
+                    n = sum(run_counts)
+                    kernels.experts_prefill(x32, experts, torch.tensor(run_counts, dtype=torch.int32),
+                                            token_of[pos:pos + n], weight_of[pos:pos + n], out32, ctx)
+                    pos += n
+                    continue
+                for e, w, count in zip(run_ids, experts, run_counts):
+                    rows = token_of[pos:pos + count]
+                    xs = x.index_select(0, rows)
+                    y = (kernels.expert_mlp(xs, w, ctx) if expert_fn is None else expert_fn(xs, w, e, ctx))
+                    y = y.mul_(weight_of[pos:pos + count, None])
+                    out.index_add_(0, rows, y)
+                    pos += count
         finally:
+            if hasattr(runs, "close"):      # (a run cut short: its reads land before the release)
+                runs.close()
             provider.release(layer_idx, ids)
     return out if out32 is None or out32 is out else out.add_(out32.to(x.dtype))
+
+
+# A streamed prefill computes the experts of a group in runs of this many as their reads land.
+STREAM_RUN_EXPERTS = 16
 
 
 def one_token_lists(weights: torch.Tensor, indices: torch.Tensor) -> tuple[list, list]:
