@@ -31,7 +31,8 @@ Settings (--settings):
   it copies every K-quant weight into anonymous memory and gets killed under the cap), ours
   streaming through a host cache of --host-cache-gib with prefetch.
 
-Prints prefill and decode tok/s per setting and engine, MiB read per decode token (/proc/self/io),
+``--repeats N`` runs each engine N times per setting (fresh processes, taking turns) and reports
+each figure's median. Prints prefill and decode tok/s per setting and engine, MiB read per decode token (/proc/self/io),
 our expert hit rate, ours/llama.cpp ratios and each engine's contended/idle ratio. Writes JSON to
 --out. ``--ours-repo DIR`` runs our side from another checkout (a before/after comparison).
 """
@@ -295,6 +296,8 @@ def main() -> int:
     ap.add_argument("--cases", default="uniform,skewed", help="uniform / skewed (Q4_K_M files, near-uniform and "
                     "Zipf-like routing), bf16 (the uniform model's bf16 GGUF, ~3.5x larger) and hybrid (a "
                     "Qwen3.5-MoE-shaped Q4_K_M file: Gated-DeltaNet layers, a shared expert, the same experts)")
+    ap.add_argument("--repeats", type=int, default=1, help="fresh processes per engine and setting, the engines taking "
+                    "turns; each figure is their median (each run times its first pass)")
     ap.add_argument("--engines", default="llama,ours", help="which engines to run (e.g. ours, for a before/after)")
     ap.add_argument("--ours-repo", help="run our side from this checkout (PYTHONPATH), e.g. a baseline worktree")
     ap.add_argument("--work", default=str(REPO / "bench" / "results" / "peer_gguf"))
@@ -333,10 +336,13 @@ def main() -> int:
             limit = cap if setting == "capped" else None
             row = {"case": case, "setting": setting}
             engines = args.engines.split(",")
-            if setting != "cached" and "llama" in engines:     # llama.cpp's cached figure is its warm one
-                row["llama"] = run_worker("llama", spec, limit, files, case, None)
-            if "ours" in engines:
-                row["ours"] = run_worker("ours", spec, limit, files, case, args.ours_repo)
+            runs = {"llama": [], "ours": []}
+            for _ in range(args.repeats):          # (engines take turns: drift hits both alike)
+                if setting != "cached" and "llama" in engines:     # llama.cpp's cached figure is its warm one
+                    runs["llama"].append(run_worker("llama", spec, limit, files, case, None))
+                if "ours" in engines:
+                    runs["ours"].append(run_worker("ours", spec, limit, files, case, args.ours_repo))
+            row.update({engine: _median_run(r) for engine, r in runs.items() if r})
             rows.append(row)
             print(f"  {case} {setting} done", file=sys.stderr, flush=True)
     print_table(rows, sizes, args, config, file_bytes, cap, capped_cache)
@@ -348,6 +354,21 @@ def main() -> int:
     return 0
 
 
+def _median_run(runs: list) -> dict:
+    """One engine's figures over --repeats fresh processes: each time the median (every run is a
+    first pass; the spread is kept under "runs"); a failed run stands for all."""
+    import statistics
+    failed = [r for r in runs if "error" in r]
+    if failed or len(runs) == 1:
+        return failed[0] if failed else runs[0]
+    out = dict(runs[0], runs=runs)
+    out["prefill_s"] = {n: statistics.median(r["prefill_s"][n] for r in runs) for n in runs[0]["prefill_s"]}
+    for key in ("decode_s", "bytes_per_token", "hit_rate"):
+        if key in runs[0]:
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def _rates(m: dict, sizes: list, tokens: int) -> list:
     return [int(n) / m["prefill_s"][str(n)] for n in sizes] + [tokens / m["decode_s"]]
 
@@ -357,7 +378,8 @@ def print_table(rows, sizes, args, config, file_bytes, cap, capped_cache) -> Non
           f"the same experts): {file_bytes / 2**30:.2f} GiB, "
           f"{config['num_hidden_layers']} layers x {config['num_experts']} experts, top-{config['num_experts_per_tok']}; "
           f"{args.threads} threads; prefill of a fresh {'/'.join(map(str, sizes))}-token prompt, then {args.tokens} "
-          f"decode steps (a fixed random token stream) after the {min(sizes)}-token prompt, first pass each. "
+          f"decode steps (a fixed random token stream) after the {min(sizes)}-token prompt, first pass each"
+          f"{f', median of {args.repeats} processes' if args.repeats > 1 else ''}. "
           f"Capped: cgroup limit {cap / 2**30:.2f} GiB (page cache counted), our host cache {capped_cache:.2f} GiB.")
     cols = [f"prefill {n}" for n in sizes] + ["decode"]
     print(f"{'routing':8s} {'setting':8s} {'engine':10s} " + " ".join(f"{c:>12s}" for c in cols)

@@ -183,6 +183,104 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     return _mm512_reduce_add_ps(acc);
 }
 
+// ---- many columns (prefill; see quant_columns.h): each column repeats its single-column kernel's
+// operations in order, so the bits are that kernel's ----
+
+#include "quant_columns.h"
+
+// q4_k and q5_k (dot_k_affine's order per column): scales, mins and the 64-weight vectors of each
+// sub-block pair decoded once per block for every column.
+template <bool FIVE>
+struct KAffineN {
+    static float one(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<FIVE>(row, a, cols); }
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        constexpr int BB = FIVE ? 176 : 144;
+        const __m512i m4 = _mm512_set1_epi8(0xF);
+        const Columns<N> x(acts);
+        __m512 acc[N], eff[N];
+        __m256 accm[N];
+        for (int j = 0; j < N; ++j) {
+            acc[j] = _mm512_setzero_ps();
+            accm[j] = _mm256_setzero_ps();
+        }
+        for (int b = 0; b < cols / QK; ++b, row += BB) {
+            prefetch_ahead(row, BB);
+            uint64_t sc8, m8;
+            scale_min_k4_all(row + 4, &sc8, &m8);
+            const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
+            const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
+            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf);
+            const __m256 dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf);
+            for (int j = 0; j < N; ++j) {
+                eff[j] = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[j] + 8 * b)));
+                accm[j] = _mm256_fmadd_ps(dmf, _mm256_loadu_ps(x.s[j] + 8 * b), accm[j]);
+            }
+            const uint8_t* qs = row + (FIVE ? 48 : 16);
+            __m512i qh2;
+            if (FIVE) qh2 = _mm512_broadcast_i64x4(loadu256(row + 16));
+            for (int c = 0; c < 4; ++c) {
+                const __m512i v = _mm512_broadcast_i64x4(loadu256(qs + 32 * c));
+                __m512i q = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, v, _mm512_srli_epi16(v, 4)), m4);
+                if (FIVE) {
+                    const __m512i bits = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
+                                                                 _mm512_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
+                    q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh2, bits), q, _mm512_set1_epi8(16));
+                }
+                const __m512i idx = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
+                for (int j = 0; j < N; ++j) {
+                    const __m512i p = dot_u8s8(q, loadu(x.q[j] + QK * b + 64 * c));
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, eff[j]), acc[j]);
+                }
+            }
+        }
+        for (int j = 0; j < N; ++j) {
+            __m128 t = _mm_add_ps(_mm256_castps256_ps128(accm[j]), _mm256_extractf128_ps(accm[j], 1));
+            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+            out[j * stride] = _mm512_reduce_add_ps(acc[j]) - _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+        }
+    }
+};
+
+// q6_k (dot_q6_k's order per column): the 6-bit values and each group's scales decoded once per
+// block for every column.
+struct Q6KN {
+    static float one(const uint8_t* row, const Act& a, int cols) { return dot_q6_k(row, a, cols); }
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), k32 = _mm512_set1_epi8(32);
+        const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        const Columns<N> x(acts);
+        __m512 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+        for (int b = 0; b < cols / QK; ++b, row += 210) {
+            prefetch_ahead(row, 210);
+            const float d = h2f(row + 208);
+            const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
+            for (int n = 0; n < 2; ++n) {
+                const __m512i L = loadu(row + 64 * n);
+                const __m512i H = _mm512_broadcast_i64x4(loadu256(row + 128 + 32 * n));
+                __m512i q[2];
+                q[0] = _mm512_or_si512(_mm512_and_si512(L, m4),
+                                       _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2)), m30));
+                q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                                       _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2)), m30));
+                for (int h = 0; h < 2; ++h) {
+                    const int ab = 8 * b + 4 * n + 2 * h;
+                    const __m512i s16 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(8 * n + 4 * h))), sc16);
+                    for (int j = 0; j < N; ++j) {
+                        const __m512i xj = loadu(x.q[j] + QA * ab);
+                        const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[h], xj), _mm512_maddubs_epi16(k32, xj));
+                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, s16)),
+                                                 halves(d * x.d[j][ab], d * x.d[j][ab + 1]), acc[j]);
+                    }
+                }
+            }
+        }
+        for (int j = 0; j < N; ++j) out[j * stride] = _mm512_reduce_add_ps(acc[j]);
+    }
+};
+
 // the added block types (256-bit kernels, compiled here for this ISA)
 #include "quant_simd_types.h"
 
@@ -207,8 +305,11 @@ float dot_mxfp4(const uint8_t* row, const Act& a, int cols) { return dot_blocks3
 
 const KernelTable& avx512_kernels() {
     static const KernelTable t = [] {
-        KernelTable k = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}, {}};   // dotn: dot_many loops over dot
+        KernelTable k = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}, {}};
         t_fill(k.dot);
+        k.dotn[ENC_Q4_K] = dot_columns<KAffineN<false>>;      // (other encodings: dot_many loops over dot)
+        k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
+        k.dotn[ENC_Q6_K] = dot_columns<Q6KN>;
         k.dot[ENC_Q5_0] = dot_q5_0;
         k.dot[ENC_IQ4_NL] = dot_iq4_nl;
         k.dot[ENC_MXFP4] = dot_mxfp4;
