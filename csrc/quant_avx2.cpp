@@ -17,6 +17,8 @@
 namespace lqf {
 namespace {
 
+#include "quant_columns.h"
+
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -140,11 +142,9 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += BB) {
         prefetch_ahead(row, BB);
-        uint64_t sc8, m8;
-        scale_min_k4_all(row + 4, &sc8, &m8);
+        __m256 scf, mf;
+        k_scales(row, scf, mf);
         const float* da = a.q8.d + 8 * b;
-        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
-        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
         const __m256 eff = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf), _mm256_loadu_ps(da));
         acc2 = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), acc2);
         const uint8_t* qs = row + (FIVE ? 48 : 16);
@@ -191,7 +191,6 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
 
 // ---- many columns: one row against n activation vectors (prefill; see quant_columns.h) ----
 
-#include "quant_columns.h"
 
 // q8_0 and q4_0: the weight block's |w| and signs once, then per column dot_s8s8's remaining work.
 template <bool FOUR>
@@ -239,10 +238,8 @@ struct KAffineN {
         alignas(32) float eff[N][8];     // column j's d * sc_k * (activation scale) per sub-block
         for (int b = 0; b < cols / QK; ++b, row += BB) {
             prefetch_ahead(row, BB);
-            uint64_t sc8, m8;
-            scale_min_k4_all(row + 4, &sc8, &m8);
-            const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
-            const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
+            __m256 scf, mf;
+            k_scales(row, scf, mf);
             const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf);
             const __m256 dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf);
             for (int j = 0; j < N; ++j) {

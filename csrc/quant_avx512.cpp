@@ -15,6 +15,8 @@
 namespace lqf {
 namespace {
 
+#include "quant_columns.h"
+
 inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 inline __m512i loadu(const void* p) { return _mm512_loadu_si512(p); }
 inline __m256i loadu256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
@@ -112,6 +114,20 @@ float dot_blocks32(const uint8_t* row, const Act& a, int cols) {
 float dot_q8_0(const uint8_t* row, const Act& a, int cols) { return dot_blocks32<34, q8_0_block>(row, a, cols); }
 float dot_q4_0(const uint8_t* row, const Act& a, int cols) { return dot_blocks32<18, q4_0_block>(row, a, cols); }
 
+// q4_k / q5_k sub-block pair c: [low nibbles = sub-block 2c | high nibbles = sub-block 2c+1], 64
+// weights whose activations are contiguous; q5_k adds the fifth bit from qh (broadcast to both halves).
+template <bool FIVE>
+inline __m512i k_pair(const uint8_t* qs, __m512i qh2, int c, __m512i m4) {
+    const __m512i v = _mm512_broadcast_i64x4(loadu256(qs + 32 * c));
+    __m512i q = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, v, _mm512_srli_epi16(v, 4)), m4);
+    if (FIVE) {
+        const __m512i bits = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
+                                                     _mm512_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
+        q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh2, bits), q, _mm512_set1_epi8(16));
+    }
+    return q;
+}
+
 template <bool FIVE>
 float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     constexpr int BB = FIVE ? 176 : 144;
@@ -120,27 +136,17 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     __m256 accm = _mm256_setzero_ps();
     for (int b = 0; b < cols / QK; ++b, row += BB) {
         prefetch_ahead(row, BB);
-        uint64_t sc8, m8;
-        scale_min_k4_all(row + 4, &sc8, &m8);
-        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
-        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
+        __m256 scf, mf;
+        k_scales(row, scf, mf);
         const __m512 eff = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf),
                                                                 _mm256_loadu_ps(a.q8.d + 8 * b)));
         accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), accm);
         const uint8_t* qs = row + (FIVE ? 48 : 16);
         const int8_t* x = a.q8.q + QK * b;
-        __m512i qh2;
+        __m512i qh2 = _mm512_setzero_si512();
         if (FIVE) qh2 = _mm512_broadcast_i64x4(loadu256(row + 16));
         for (int c = 0; c < 4; ++c) {
-            // [low nibbles = sub-block 2c | high nibbles = sub-block 2c+1]: 64 weights whose
-            // activations are contiguous.
-            const __m512i v = _mm512_broadcast_i64x4(loadu256(qs + 32 * c));
-            __m512i q = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, v, _mm512_srli_epi16(v, 4)), m4);
-            if (FIVE) {
-                const __m512i bits = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
-                                                             _mm512_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
-                q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh2, bits), q, _mm512_set1_epi8(16));
-            }
+            const __m512i q = k_pair<FIVE>(qs, qh2, c, m4);
             const __m512i p = dot_u8s8(q, loadu(x + 64 * c));
             const __m512i idx = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
             acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, eff), acc);
@@ -154,6 +160,17 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
 float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<false>(row, a, cols); }
 float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<true>(row, a, cols); }
 
+// q6_k: half n of a 256-value block's 6-bit values (0..63) as two vectors of 64, from its low
+// nibbles [L0 | L1] and high 2-bit pairs [H | H].
+inline void q6_k_quants(const uint8_t* row, int n, __m512i m4, __m512i m30, __m512i q[2]) {
+    const __m512i L = loadu(row + 64 * n);
+    const __m512i H = _mm512_broadcast_i64x4(loadu256(row + 128 + 32 * n));
+    q[0] = _mm512_or_si512(_mm512_and_si512(L, m4),
+                           _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2)), m30));
+    q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
+                           _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2)), m30));
+}
+
 float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
     const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), k32 = _mm512_set1_epi8(32);
     // int16 lane i of a 32-lane vector takes scale (base + i / 8): four 16-weight groups.
@@ -164,13 +181,8 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
         const float d = h2f(row + 208);
         const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
         for (int n = 0; n < 2; ++n) {
-            const __m512i L = loadu(row + 64 * n);                                  // [L0 | L1]
-            const __m512i H = _mm512_broadcast_i64x4(loadu256(row + 128 + 32 * n));  // [H | H]
             __m512i q[2];
-            q[0] = _mm512_or_si512(_mm512_and_si512(L, m4),
-                                   _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2)), m30));
-            q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                   _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2)), m30));
+            q6_k_quants(row, n, m4, m30, q);
             for (int h = 0; h < 2; ++h) {
                 const int ab = 8 * b + 4 * n + 2 * h;   // two activation blocks: ab, ab + 1
                 const __m512i x = loadu(a.q8.q + QA * ab);
@@ -186,7 +198,6 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
 // ---- many columns (prefill; see quant_columns.h): each column repeats its single-column kernel's
 // operations in order, so the bits are that kernel's ----
 
-#include "quant_columns.h"
 
 // q4_k and q5_k (dot_k_affine's order per column): scales, mins and the 64-weight vectors of each
 // sub-block pair decoded once per block for every column.
@@ -206,10 +217,8 @@ struct KAffineN {
         }
         for (int b = 0; b < cols / QK; ++b, row += BB) {
             prefetch_ahead(row, BB);
-            uint64_t sc8, m8;
-            scale_min_k4_all(row + 4, &sc8, &m8);
-            const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc8))));
-            const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
+            __m256 scf, mf;
+            k_scales(row, scf, mf);
             const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf);
             const __m256 dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf);
             for (int j = 0; j < N; ++j) {
@@ -217,16 +226,10 @@ struct KAffineN {
                 accm[j] = _mm256_fmadd_ps(dmf, _mm256_loadu_ps(x.s[j] + 8 * b), accm[j]);
             }
             const uint8_t* qs = row + (FIVE ? 48 : 16);
-            __m512i qh2;
+            __m512i qh2 = _mm512_setzero_si512();
             if (FIVE) qh2 = _mm512_broadcast_i64x4(loadu256(row + 16));
             for (int c = 0; c < 4; ++c) {
-                const __m512i v = _mm512_broadcast_i64x4(loadu256(qs + 32 * c));
-                __m512i q = _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, v, _mm512_srli_epi16(v, 4)), m4);
-                if (FIVE) {
-                    const __m512i bits = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8(static_cast<char>(1 << (2 * c))),
-                                                                 _mm512_set1_epi8(static_cast<char>(1 << (2 * c + 1))));
-                    q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh2, bits), q, _mm512_set1_epi8(16));
-                }
+                const __m512i q = k_pair<FIVE>(qs, qh2, c, m4);
                 const __m512i idx = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
                 for (int j = 0; j < N; ++j) {
                     const __m512i p = dot_u8s8(q, loadu(x.q[j] + QK * b + 64 * c));
@@ -258,13 +261,8 @@ struct Q6KN {
             const float d = h2f(row + 208);
             const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
             for (int n = 0; n < 2; ++n) {
-                const __m512i L = loadu(row + 64 * n);
-                const __m512i H = _mm512_broadcast_i64x4(loadu256(row + 128 + 32 * n));
                 __m512i q[2];
-                q[0] = _mm512_or_si512(_mm512_and_si512(L, m4),
-                                       _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, _mm512_slli_epi16(H, 4), _mm512_slli_epi16(H, 2)), m30));
-                q[1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(L, 4), m4),
-                                       _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2)), m30));
+                q6_k_quants(row, n, m4, m30, q);
                 for (int h = 0; h < 2; ++h) {
                     const int ab = 8 * b + 4 * n + 2 * h;
                     const __m512i s16 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(8 * n + 4 * h))), sc16);
