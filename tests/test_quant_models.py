@@ -296,6 +296,42 @@ def test_decode_steps_run_torch_on_one_thread_and_restore_it(packs, monkeypatch)
         load_config(cpu_threads=-1)
 
 
+def test_short_prompts_of_encoded_models_run_torch_on_one_thread(packs, monkeypatch):
+    """A step of at most NATIVE_GEMM_MAX_TOKENS tokens whose every projection is encoded (all its
+    matrix products native) runs torch on one thread with the native pool spinning, as decode does;
+    a longer chunk, and a model with float projections, keep torch on the budget."""
+    from lean_qwenflash.models import kernels, native
+    from lean_qwenflash.models.layers.norm import RMSNorm
+    from lean_qwenflash.models.policy import DECODE_SPIN
+    seen = []
+    real = RMSNorm.forward
+
+    def spy(self, x):
+        spin = native.set_spin(0)
+        native.set_spin(spin)
+        seen.append((x.shape[1], torch.get_num_threads(), spin))
+        return real(self, x)
+    monkeypatch.setattr(RMSNorm, "forward", spy)
+    torch.set_num_threads(2)
+    default_spin = native.set_spin(0)
+    native.set_spin(default_spin)
+    long = torch.arange(kernels.NATIVE_GEMM_MAX_TOKENS + 8).view(1, -1) % 96
+    try:
+        for preset, encoded in (("q4_k", True), (None, False)):
+            with Runtime.open(load_config(model=str(packs("mixtral", preset)), cpu_threads=2),
+                              resident_experts=True) as rt:
+                assert rt.model._matrices_encoded() is encoded
+                for ids in (PROMPT, long):
+                    seen.clear()
+                    rt.model(ids)
+                    short = ids.shape[1] <= kernels.NATIVE_GEMM_MAX_TOKENS and encoded
+                    assert seen and set(seen) == ({(ids.shape[1], 1, DECODE_SPIN)} if short else
+                                                  {(ids.shape[1], 2, default_spin)}), (preset, ids.shape)
+                assert torch.get_num_threads() == 2 and native.set_spin(default_spin) == default_spin
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_float_linears_take_the_native_kernel_in_fast_mode_only(packs):
     """Routers and other float linears: one-row products run the native kernel in fast mode (close
     to torch), and exactly torch's F.linear in exact mode."""

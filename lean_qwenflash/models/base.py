@@ -10,12 +10,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lean_qwenflash.models import native
+from lean_qwenflash.models import kernels, native
 from lean_qwenflash.models.layers.attention import Attention, AttentionStep
 from lean_qwenflash.models.layers.deltanet import DeltaNetStep, GatedDeltaNet
 from lean_qwenflash.models.layers.linear import Embedding, Linear
 from lean_qwenflash.models.layers.rope import Rotary
 from lean_qwenflash.models.moe.block import SparseMoeBlock
+from lean_qwenflash.models.moe.routers import Router
 from lean_qwenflash.models.policy import ExecContext, ExecPolicy
 
 
@@ -193,23 +194,37 @@ class CausalLM(nn.Module):
         sequence alone; in fast mode the rows share kernel calls (experts, dense MLPs, the head)."""
         return self._on_threads(input_ids.view(-1, 1), self._forward_rows, input_ids.view(-1, 1), states)
 
+    # whether every projection of the layers holds encoded rows (routers aside); computed once
+    _encoded = None
+
+    def _matrices_encoded(self) -> bool:
+        if self._encoded is None:
+            self._encoded = all(m.qweight is not None for layer in self._layers for m in layer.modules()
+                                if isinstance(m, Linear) and not isinstance(m, Router))
+        return self._encoded
+
     def _on_threads(self, input_ids: torch.Tensor, fn, *args):
         """``fn(*args)`` with torch on the policy's threads for this input. One-token CPU steps
         (decode, also of several sequences) run torch on ``decode_torch_threads`` (with the native
         kernels doing the heavy products on their own threads, torch's small per-token ops run
         faster on one thread than fighting them for the cores: q4_k_m decode 35 -> 43 tok/s) and
-        keep the native pool spinning meanwhile."""
+        keep the native pool spinning meanwhile. So do steps of at most NATIVE_GEMM_MAX_TOKENS
+        tokens of a model whose projections are all encoded, where every matrix product is native
+        too (a short prompt, a prompt's last chunk): torch's two threads spinning beside the native
+        pool's made its small ops take milliseconds (Q4_K_M, 32 tokens: 117 -> 173 tok/s; 128: 199 ->
+        221; from 256 tokens the resident matrices are torch's SGEMM again and keep the budget)."""
         policy = self.exec.policy
         if input_ids.device.type != "cpu":
             return fn(*args)
-        one_token = input_ids.shape[-1] == 1
-        threads = policy.decode_torch_threads if one_token else policy.torch_threads
+        native_step = input_ids.shape[-1] == 1 or (input_ids.numel() <= kernels.NATIVE_GEMM_MAX_TOKENS
+                                                   and self._matrices_encoded())
+        threads = policy.decode_torch_threads if native_step else policy.torch_threads
         saved = torch.get_num_threads()
         if not threads or saved == threads:
             return fn(*args)
         torch.set_num_threads(threads)
-        # torch on one thread for a decode step: keep the native workers awake across its many calls
-        spin = native.set_spin(policy.decode_spin) if one_token and policy.decode_torch_threads else None
+        # torch on one thread: keep the native workers awake across the step's many calls
+        spin = native.set_spin(policy.decode_spin) if native_step and policy.decode_torch_threads else None
         try:
             return fn(*args)
         finally:
