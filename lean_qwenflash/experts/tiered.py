@@ -280,12 +280,17 @@ class TieredExperts(ExpertProvider):
         if self.prefetch:
             self._hidden[layer_idx] = hidden_states
 
-    def acquire(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
+    def _begin(self, layer_idx: int, expert_ids: Sequence[int]) -> list[int]:
+        """An acquire's start: the ids as ints, traced and counted; finished speculative reads reaped."""
         expert_ids = [int(e) for e in expert_ids]
         if self.observer is not None:               # routing trace (experts/trace.py)
             self.observer(layer_idx, expert_ids)
         self.stats.layers[layer_idx].lookups += len(expert_ids)
         self._reap_speculative()
+        return expert_ids
+
+    def acquire(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
+        expert_ids = self._begin(layer_idx, expert_ids)
         if self.dev is not None:
             slots = self._acquire_device(layer_idx, expert_ids)
             self._pinned.setdefault(layer_idx, []).append(("dev", slots))
@@ -309,11 +314,7 @@ class TieredExperts(ExpertProvider):
             for i in range(0, len(views), run):
                 yield list(expert_ids[i:i + run]), views[i:i + run]
             return
-        expert_ids = [int(e) for e in expert_ids]
-        if self.observer is not None:
-            self.observer(layer_idx, expert_ids)
-        self.stats.layers[layer_idx].lookups += len(expert_ids)
-        self._reap_speculative()
+        expert_ids = self._begin(layer_idx, expert_ids)
         slots, waits = self._pin_host(layer_idx, expert_ids)
         self._pinned.setdefault(layer_idx, []).append(("host", slots))
         if self.prefetch:

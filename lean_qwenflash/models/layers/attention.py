@@ -29,6 +29,7 @@ from torch import nn
 from lean_qwenflash.common import KV_CACHE_DTYPES
 from lean_qwenflash.models import kernels, native
 from lean_qwenflash.models.layers.linear import Linear
+from lean_qwenflash.models.layers.norm import native_norm_args
 from lean_qwenflash.models.layers.rope import apply_rotary
 from lean_qwenflash.models.policy import STANDALONE
 from lean_qwenflash.quant import ENCODINGS
@@ -438,11 +439,6 @@ class FlatQKNormAttention(Attention):
         return self.split_heads(q, k, v) + (None,)
 
 
-def _native_norm(norm, dim: int):
-    """(weight, mode, eps) of an RMSNorm whose one-token calls run natively, else None."""
-    return norm.native_args(dim) if hasattr(norm, "native_args") else None
-
-
 class AttentionStep:
     """A layer's attention sub-block for one-token fast-mode CPU steps as one native call
     (csrc/decode_step.h): the input norm, q/k/v, the per-head q/k norms, rope, the new cache row,
@@ -483,7 +479,7 @@ class AttentionStep:
                 return None
             weights.append((w, m))
         hidden, dim = attn.q_proj.in_features, attn.head_dim
-        in_norm = _native_norm(norm, hidden)
+        in_norm = native_norm_args(norm, hidden)
         if in_norm is None:
             return None
         qk = (None, 1, 0.0)
@@ -491,7 +487,7 @@ class AttentionStep:
             from lean_qwenflash.models.layers.norm import RMSNorm
             if attn.num_heads * dim > RMSNorm.NATIVE_MAX_VALUES:    # (the separate calls' norm runs torch)
                 return None
-            qn, kn = _native_norm(attn.q_norm, dim), _native_norm(attn.k_norm, dim)
+            qn, kn = native_norm_args(attn.q_norm, dim), native_norm_args(attn.k_norm, dim)
             if qn is None or kn is None or qn[1:] != kn[1:]:
                 return None
             qk = (qn[0], qn[1], qn[2], kn[0])

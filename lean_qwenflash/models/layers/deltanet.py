@@ -12,7 +12,7 @@ from typing import Optional
 
 from lean_qwenflash.models import kernels, native
 from lean_qwenflash.models.layers.linear import Linear
-from lean_qwenflash.models.layers.norm import GatedRMSNorm
+from lean_qwenflash.models.layers.norm import GatedRMSNorm, native_norm_args
 from lean_qwenflash.models.policy import STANDALONE
 
 
@@ -209,7 +209,7 @@ class DeltaNetStep:
                     or (m.qweight is None and w.dtype != torch.float32):
                 return None
             weights.append(w)
-        in_norm = norm.native_args(net.out_proj.out_features) if hasattr(norm, "native_args") else None
+        in_norm = native_norm_args(norm, net.out_proj.out_features)
         tensors = (net.conv1d.weight, net.A_log, net.dt_bias, net.norm.weight)
         if in_norm is None or not all(native.is_f32(t) for t in tensors) or net.conv1d.bias is not None:
             return None

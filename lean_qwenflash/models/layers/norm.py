@@ -14,6 +14,12 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def native_norm_args(norm, dim: int):
+    """(weight, mode, eps) of a norm whose one-token calls run natively (``RMSNorm.native_args``),
+    for a fused native step; None for any other norm."""
+    return norm.native_args(dim) if isinstance(norm, RMSNorm) else None
+
+
 class RMSNorm(nn.Module):
     """``w * x / rms(x)``; ``zero_centred`` (Qwen3-Next) stores ``w - 1``, i.e. computes ``(1 + w)``.
 
