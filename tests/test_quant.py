@@ -314,3 +314,27 @@ def test_dequantize_equals_gguf_on_blocks_quantized_by_llama_cpp(tmp_path):
             assert np.array_equal(out_native.numpy().view(np.uint32), ref.view(np.uint32)), (ftype, t.name)
             seen.add(enc.name)
     assert seen == {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k"}, seen
+
+
+@pytest.mark.parametrize("tokens,native_calls", [(24, 1), (96, 0)])
+def test_float_expert_prefill_runs_natively_when_experts_get_few_tokens_each(monkeypatch, tokens, native_calls):
+    """bf16 records: a prompt whose selected experts get at most FLOAT_NATIVE_MAX_TOKENS tokens each
+    on average (24 tokens x top-3 over 8 experts: 9) is one native call for the layer, no per-expert
+    conversion of the records; with more (96 tokens: 36 each) torch's GEMM runs. Both equal the exact
+    path's sum to fp32 rounding."""
+    from lean_qwenflash.experts.provider import ResidentExperts
+    from lean_qwenflash.models.moe.block import routed_experts
+    gen = torch.Generator().manual_seed(tokens)
+    experts, _ = _experts("bf16", "bf16", 8, 256, 96, gen)
+    x = torch.randn(tokens, 256, generator=gen)
+    picks = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(tokens)])
+    weights = torch.rand(tokens, 3, generator=gen)
+    calls = []
+    real = native.moe_prefill
+    monkeypatch.setattr(native, "moe_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    provider = ResidentExperts({0: experts})
+    fast = routed_experts(x, weights, picks, provider, 0, ExecContext(ExecPolicy(kernel_mode="fast")))
+    assert len(calls) == native_calls
+    exact = routed_experts(x, weights, picks, provider, 0, ExecContext(ExecPolicy(kernel_mode="exact")))
+    assert len(calls) == native_calls
+    torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)

@@ -159,20 +159,24 @@ def experts_decode(x: torch.Tensor, experts, weights, ctx: ExecContext = STANDAL
     return out
 
 
-# Fast mode: a call of at most this many tokens (a batched decode step of several sequences) runs
-# float expert records natively too: one native call instead of a gather + two F.linear + index_add
-# per expert (the default model, 4 sequences: those per-expert torch ops were 19% of a step).
+# Fast mode: float expert records run natively too when the experts get at most this many tokens
+# each on average (a batched decode step, a short prompt): one native call instead of a gather, a
+# conversion of each record to the compute dtype and two F.linear + index_add per expert (the
+# default model, 4 sequences: those per-expert torch ops were 19% of a step). With more tokens per
+# expert torch's GEMM beats per-token dot products.
 FLOAT_NATIVE_MAX_TOKENS = 16
 
 
-def prefill_native(x: torch.Tensor, experts, ctx: ExecContext) -> bool:
+def prefill_native(x: torch.Tensor, experts, ctx: ExecContext, tokens_per_expert: float | None = None) -> bool:
     """Whether many-token products with these experts run natively: fast mode on CPU and block-encoded
-    records, or float records for at most FLOAT_NATIVE_MAX_TOKENS tokens (for more, torch's GEMM
-    beats per-token dot products on them)."""
+    records, or float records when the layer's selected experts get at most FLOAT_NATIVE_MAX_TOKENS
+    tokens each on average (``tokens_per_expert``; default: every token to each expert). The caller
+    decides once per layer, so a provider serving the experts in groups takes the same path."""
     if ctx.policy.kernel_mode != "fast" or x.device.type != "cpu":
         return False
     encoded = isinstance(experts[0].gate_up, QuantTensor) and isinstance(experts[0].down, QuantTensor)
-    return (encoded or x.shape[0] <= FLOAT_NATIVE_MAX_TOKENS) and _fast_ok(x, experts)
+    per_expert = x.shape[0] if tokens_per_expert is None else tokens_per_expert
+    return (encoded or per_expert <= FLOAT_NATIVE_MAX_TOKENS) and _fast_ok(x, experts)
 
 
 def experts_prefill(x: torch.Tensor, experts, counts, tokens, weights, out: torch.Tensor,

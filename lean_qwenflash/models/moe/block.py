@@ -45,6 +45,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
     # experts are then taken in groups, in the same order, so the sum is unchanged. One that can
     # serve a group in runs as their reads land (``acquire_runs``) lets the first runs compute
     # while the rest are read; the runs keep the order too.
+    per_expert = flat.numel() / len(expert_ids)     # (float records: native below a few tokens each)
     group = getattr(provider, "max_experts_per_acquire", None) or len(expert_ids)
     acquire_runs = getattr(provider, "acquire_runs", None)
     for start in range(0, len(expert_ids), group):
@@ -56,7 +57,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor
             for run_ids, experts in runs:
                 run_counts = group_counts[first:first + len(run_ids)]
                 first += len(run_ids)
-                if expert_fn is None and kernels.prefill_native(x, experts, ctx):
+                if expert_fn is None and kernels.prefill_native(x, experts, ctx, per_expert):
                     if out32 is None:       # (fp32 compute: the native call adds straight into out)
                         x32 = x.float().contiguous()
                         out32 = out if out.dtype == torch.float32 else torch.zeros(x.shape, dtype=torch.float32)
