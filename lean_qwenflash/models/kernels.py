@@ -167,16 +167,15 @@ def experts_decode(x: torch.Tensor, experts, weights, ctx: ExecContext = STANDAL
 FLOAT_NATIVE_MAX_TOKENS = 16
 
 
-def prefill_native(x: torch.Tensor, experts, ctx: ExecContext, tokens_per_expert: float | None = None) -> bool:
+def prefill_native(x: torch.Tensor, experts, ctx: ExecContext, tokens_per_expert: float) -> bool:
     """Whether many-token products with these experts run natively: fast mode on CPU and block-encoded
     records, or float records when the layer's selected experts get at most FLOAT_NATIVE_MAX_TOKENS
-    tokens each on average (``tokens_per_expert``; default: every token to each expert). The caller
-    decides once per layer, so a provider serving the experts in groups takes the same path."""
+    tokens each on average (``tokens_per_expert``, the layer's figure: a provider serving the experts
+    in groups takes the same path)."""
     if ctx.policy.kernel_mode != "fast" or x.device.type != "cpu":
         return False
     encoded = isinstance(experts[0].gate_up, QuantTensor) and isinstance(experts[0].down, QuantTensor)
-    per_expert = x.shape[0] if tokens_per_expert is None else tokens_per_expert
-    return (encoded or per_expert <= FLOAT_NATIVE_MAX_TOKENS) and _fast_ok(x, experts)
+    return (encoded or tokens_per_expert <= FLOAT_NATIVE_MAX_TOKENS) and _fast_ok(x, experts)
 
 
 def experts_prefill(x: torch.Tensor, experts, counts, tokens, weights, out: torch.Tensor,
