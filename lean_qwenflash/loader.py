@@ -18,7 +18,9 @@ from lean_qwenflash.experts.provider import ExpertProvider, ResidentExperts, ali
 from lean_qwenflash.families import family_for
 from lean_qwenflash.models.layers.linear import Embedding, Linear
 from lean_qwenflash.models.policy import ExecPolicy
-from lean_qwenflash.quant import QuantRows, QuantTensor
+from lean_qwenflash.models.moe.routers import Router
+from lean_qwenflash.quant import QuantRows, QuantTensor, get_encoding
+from lean_qwenflash.quant.floats import BY_DTYPE_NAME
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
@@ -66,6 +68,8 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
                if not k.startswith(names.ignored_prefixes)}
     model = check_resident(config, {k: tuple(v.shape) for k, v in tensors.items()})
     expected = {k: v.shape for k, v in model.state_dict().items()}
+    if policy is not None and policy.stored_floats and torch.device(device).type == "cpu":
+        tensors = _keep_stored_floats(model, tensors, expected, dtype)
     # Block-quantized resident matrices (pack --quant) replace their Linear's float parameter.
     quantized = {k for k, v in tensors.items() if isinstance(v, (QuantTensor, QuantRows)) and k in expected}
     for key in quantized:
@@ -84,6 +88,30 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     if policy is not None:
         model.set_policy(policy)
     return model.eval().requires_grad_(False)
+
+
+_NARROW_FLOATS = (torch.float16, torch.bfloat16)
+
+
+def _keep_stored_floats(model, tensors: dict, expected: dict, dtype: torch.dtype) -> dict:
+    """``tensors`` with every f16 / bf16 linear or embedding weight narrower than ``dtype`` as a
+    float-encoded QuantTensor over its stored bytes (``ExecPolicy.stored_floats``): it then takes the
+    encoded matrices' path (``kernels.quant_linear``, the native decode steps) instead of an fp32 copy
+    twice its size. Routers keep the compute dtype (their logits pick the experts)."""
+    if dtype != torch.float32:
+        return tensors
+    out = dict(tensors)
+    for key, v in tensors.items():
+        if key not in expected or not key.endswith(".weight") or not isinstance(v, torch.Tensor) \
+                or v.dtype not in _NARROW_FLOATS or v.dim() != 2:
+            continue
+        module = model.get_submodule(key.rsplit(".", 1)[0])
+        if not isinstance(module, (Linear, Embedding)) or isinstance(module, Router):
+            continue
+        enc = get_encoding(BY_DTYPE_NAME[str(v.dtype).removeprefix("torch.")])
+        raw = v.contiguous().view(torch.uint8)
+        out[key] = QuantTensor(raw.view(v.shape[0], -1), enc, tuple(v.shape))
+    return out
 
 
 def load_hf_checkpoint(hf_dir: str, dtype: torch.dtype = torch.float32,

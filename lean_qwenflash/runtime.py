@@ -78,7 +78,9 @@ class Runtime:
         # dequantized to it (models/kernels.as_float).
         dtype = TORCH_DTYPES[cfg.dtype]
         device = torch.device(cfg.device)
-        resident = store.load_resident(device=device, dtype=dtype)
+        # (as stored: build_model converts to ``dtype``, or keeps f16 / bf16 matrices encoded where the
+        # policy says so)
+        resident = store.load_resident(device=device)
         top_k = moe_facts(config).top_k if store.manifest.layers else 1
         if resident_experts:
             provider = ResidentExperts.from_store(store)

@@ -476,6 +476,48 @@ def test_bf16_experts_run_at_float32(tmp_path):
     torch.testing.assert_close(outs["fast"], want, rtol=1e-4, atol=1e-5)
 
 
+def test_bf16_resident_matrices_stay_bf16_in_fast_mode(tmp_path):
+    """A checkpoint stored in bf16 (as most releases are) run at dtype float32: in fast mode on CPU
+    its attention / shared / head matrices keep their bf16 bytes (ExecPolicy.stored_floats: half an
+    fp32 copy) and run through the native kernels, within fast mode's bound of the exact logits;
+    exact mode converts them and matches transformers on the same bf16 weights; streamed ==
+    resident in both."""
+    import copy
+    from lean_qwenflash.models.layers.linear import Linear
+    from lean_qwenflash.models.moe.routers import Router
+    hf_models = pytest.importorskip("hf_models")
+    c = hf_models.case("qwen3_moe")
+    ref = copy.deepcopy(c.hf_model)          # fp32 with every parameter rounded to bf16
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    hf_models.save_checkpoint(copy.deepcopy(ref).to(torch.bfloat16), tmp_path / "ckpt")
+    pack(tmp_path / "ckpt", tmp_path / "p", progress=False)
+    with ExpertStore.open(tmp_path / "p") as store:
+        slot = store.max_record_bytes
+    outs = {}
+    for mode in ("exact", "fast"):
+        cfg = load_config(model=str(tmp_path / "p"), dtype="float32", expert_kernels=mode)
+        with Runtime.open(cfg, resident_experts=True) as rt:
+            linears = [m for m in rt.model.modules() if isinstance(m, Linear) and not isinstance(m, Router)]
+            kept = [m for m in linears if m.qweight is not None]
+            if mode == "fast":
+                assert kept == linears and all(m.qweight.encoding.name == "bf16" for m in kept)
+                assert all(m.weight.dtype == torch.float32 for m in rt.model.modules() if isinstance(m, Router))
+            else:
+                assert not kept and all(m.weight.dtype == torch.float32 for m in linears)
+            outs[mode] = rt.model(c.prompt)
+        cfg = load_config(model=str(tmp_path / "p"), dtype="float32", expert_kernels=mode,
+                          host_cache_bytes=2 * slot)
+        with Runtime.open(cfg) as rt:
+            assert torch.equal(rt.model(c.prompt), outs[mode]), mode
+    with torch.no_grad():
+        want = ref(c.prompt).logits
+    torch.testing.assert_close(outs["exact"], want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(outs["fast"], want, rtol=1e-3, atol=1e-4)
+    assert not torch.equal(outs["fast"], outs["exact"])     # the native products did run
+
+
 # -- inspect ---------------------------------------------------------------------------------------
 
 def test_inspect_lists_every_tensor_with_encoding_and_bytes(tmp_path, capsys, quant_checkpoint):

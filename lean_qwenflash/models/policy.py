@@ -69,7 +69,11 @@ class ExecPolicy:
     * ``decode_torch_threads``: torch's intra-op threads during one-token CPU steps (None: leave
       torch's setting), with the native pool's idle spin set to ``decode_spin`` meanwhile;
     * ``kv_cache_dtype``: how attention layers store keys and values (f32 as computed, f16, bf16, or
-      GGUF's q8_0 / q4_0 blocks dequantized inside attention; see ``layers.attention``).
+      GGUF's q8_0 / q4_0 blocks dequantized inside attention; see ``layers.attention``);
+    * ``stored_floats``: resident f16 / bf16 matrices narrower than the compute dtype keep their
+      stored encoding (``loader.build_model``) and run like encoded ones (native kernels with fp32
+      activations in fast mode, exact conversion then torch otherwise): half the memory and the
+      bytes read per token of an fp32 copy.
 
     The thread counts are one budget (``from_config``): torch and the native kernels take turns on
     the same cores, never more threads than the cores this process may use.
@@ -83,6 +87,7 @@ class ExecPolicy:
     decode_torch_threads: Optional[int] = None
     decode_spin: int = DECODE_SPIN
     kv_cache_dtype: str = "f32"
+    stored_floats: bool = False
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -107,7 +112,8 @@ class ExecPolicy:
         fast_cpu = cpu and cfg.expert_kernels == "fast"
         return cls(kernel_mode=cfg.expert_kernels, float_native=cfg.expert_kernels == "fast", isa=cfg.cpu_isa,
                    native_threads=budget if cpu else cfg.cpu_threads, torch_threads=budget if cpu else None,
-                   decode_torch_threads=1 if fast_cpu else None, kv_cache_dtype=cfg.kv_cache_dtype)
+                   decode_torch_threads=1 if fast_cpu else None, kv_cache_dtype=cfg.kv_cache_dtype,
+                   stored_floats=fast_cpu)
 
     def with_kernels(self, mode: str, isa: Optional[str] = None) -> "ExecPolicy":
         """This policy with another kernel mode (float linears follow it) and optionally ISA."""
