@@ -34,15 +34,23 @@ def test_logits_match_transformers(loaded):
     torch.testing.assert_close(model(c.prompt), c.hf_logits, rtol=RTOL, atol=ATOL)
 
 
+# Gated-DeltaNet layers compute a prompt with the chunked delta rule and a step with the recurrent
+# one: the same sums in another fp32 order, which reads up to ~1.3e-5 apart on logits of scale ~4
+# on some CPUs (oneDNN's kernels differ by ISA); attention-only families stay within ATOL.
+RECURRENT_ATOL = 3e-5
+
+
 def test_full_equals_chunked_prefill_equals_decode(loaded):
+    from lean_qwenflash.models.layers.deltanet import GatedDeltaNet
     c, model, _ = loaded
+    atol = RECURRENT_ATOL if any(isinstance(m, GatedDeltaNet) for m in model.modules()) else ATOL
     full = model(c.prompt)
     state = new_state(model)
     chunks = [model(c.prompt[:, a:b], state) for a, b in ((0, 13), (13, 30), (30, 40))]
-    torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, rtol=RTOL, atol=atol)
     state = new_state(model)
     steps = [model(c.prompt[:, i:i + 1], state) for i in range(c.prompt.shape[1])]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=RTOL, atol=atol)
     assert state.num_tokens == c.prompt.shape[1]
 
 
