@@ -36,51 +36,39 @@ inline __m256i dot_u8s8(__m256i u, __m256i s) { return _mm256_madd_epi16(_mm256_
 // signed x signed: |w| x (x with w's sign)
 inline __m256i dot_s8s8(__m256i w, __m256i x) { return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
-float dot_f32(const uint8_t* row, const Act& a, int cols) {
-    const float* w = reinterpret_cast<const float*>(row);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= cols; i += 16) {
-        prefetch_ahead(row + 4 * i, 64);
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(a.x + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(a.x + i + 8), acc1);
+// The float encodings: FloatN (quant_columns.h) on 8-lane registers, one and four columns.
+struct V256 {
+    using vec = __m256;
+    static constexpr int W = 8;
+    static vec zero() { return _mm256_setzero_ps(); }
+    static vec loadx(const float* p) { return _mm256_loadu_ps(p); }
+    static vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+    static vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+    static float sum(vec v) { return hsum(v); }
+};
+struct F32Row {
+    static constexpr int VB = 4;
+    static __m256 load(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+    static float at(const uint8_t* p) { return f32_at(p); }
+};
+struct F16Row {
+    static constexpr int VB = 2;
+    static __m256 load(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+    static float at(const uint8_t* p) { return h2f(p); }
+};
+struct BF16Row {
+    static constexpr int VB = 2;
+    static __m256 load(const uint8_t* p) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
     }
-    float acc = hsum(_mm256_add_ps(acc0, acc1));
-    for (; i < cols; ++i) acc += w[i] * a.x[i];
-    return acc;
-}
-
-inline __m256 bf16x8(const uint8_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
-float dot_bf16(const uint8_t* row, const Act& a, int cols) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= cols; i += 16) {
-        prefetch_ahead(row + 2 * i, 32);
-        acc0 = _mm256_fmadd_ps(bf16x8(row + 2 * i), _mm256_loadu_ps(a.x + i), acc0);
-        acc1 = _mm256_fmadd_ps(bf16x8(row + 2 * i + 16), _mm256_loadu_ps(a.x + i + 8), acc1);
-    }
-    float acc = hsum(_mm256_add_ps(acc0, acc1));
-    for (; i < cols; ++i) acc += bf16_to_fp32(load_u16(row + 2 * i)) * a.x[i];
-    return acc;
-}
-
-float dot_f16(const uint8_t* row, const Act& a, int cols) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= cols; i += 16) {
-        prefetch_ahead(row + 2 * i, 32);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i))),
-                               _mm256_loadu_ps(a.x + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * i + 16))),
-                               _mm256_loadu_ps(a.x + i + 8), acc1);
-    }
-    float acc = hsum(_mm256_add_ps(acc0, acc1));
-    for (; i < cols; ++i) acc += h2f(row + 2 * i) * a.x[i];
-    return acc;
-}
+    static float at(const uint8_t* p) { return bf16_at(p); }
+};
+using F32N = FloatN<V256, F32Row>;
+using F16N = FloatN<V256, F16Row>;
+using BF16N = FloatN<V256, BF16Row>;
+float dot_f32(const uint8_t* row, const Act& a, int cols) { return F32N::one(row, a, cols); }
+float dot_f16(const uint8_t* row, const Act& a, int cols) { return F16N::one(row, a, cols); }
+float dot_bf16(const uint8_t* row, const Act& a, int cols) { return BF16N::one(row, a, cols); }
 
 float dot_q8_0(const uint8_t* row, const Act& a, int cols) {
     __m256 acc = _mm256_setzero_ps();
@@ -337,6 +325,9 @@ const KernelTable& avx2_kernels() {
     static const KernelTable t = [] {
         KernelTable k = {"avx2", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}, {}};
         t_fill(k.dot);
+        k.dotn[ENC_F32] = dot_columns<F32N>;
+        k.dotn[ENC_F16] = dot_columns<F16N>;
+        k.dotn[ENC_BF16] = dot_columns<BF16N>;
         k.dotn[ENC_Q8_0] = dot_columns<Blocks32N<false>>;
         k.dotn[ENC_Q4_0] = dot_columns<Blocks32N<true>>;
         k.dotn[ENC_Q4_K] = dot_columns<KAffineN<false>>;

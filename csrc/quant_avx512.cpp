@@ -32,49 +32,39 @@ inline __m512i dot_s8s8(__m512i w, __m512i x) {
     return dot_u8s8(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
 }
 
-float dot_f32(const uint8_t* row, const Act& a, int cols) {
-    const float* w = reinterpret_cast<const float*>(row);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= cols; i += 32) {
-        prefetch_ahead(row + 4 * i, 128);
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(a.x + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(a.x + i + 16), acc1);
+// The float encodings: FloatN (quant_columns.h) on 16-lane registers, one and four columns.
+struct V512 {
+    using vec = __m512;
+    static constexpr int W = 16;
+    static vec zero() { return _mm512_setzero_ps(); }
+    static vec loadx(const float* p) { return _mm512_loadu_ps(p); }
+    static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+    static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
+    static float sum(vec v) { return _mm512_reduce_add_ps(v); }
+};
+struct F32Row {
+    static constexpr int VB = 4;
+    static __m512 load(const uint8_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
+    static float at(const uint8_t* p) { return f32_at(p); }
+};
+struct F16Row {
+    static constexpr int VB = 2;
+    static __m512 load(const uint8_t* p) { return _mm512_cvtph_ps(loadu256(p)); }
+    static float at(const uint8_t* p) { return h2f(p); }
+};
+struct BF16Row {
+    static constexpr int VB = 2;
+    static __m512 load(const uint8_t* p) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(loadu256(p)), 16));
     }
-    float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    for (; i < cols; ++i) acc += w[i] * a.x[i];
-    return acc;
-}
-
-inline __m512 bf16x16(const uint8_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(loadu256(p)), 16));
-}
-
-float dot_bf16(const uint8_t* row, const Act& a, int cols) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= cols; i += 32) {
-        prefetch_ahead(row + 2 * i, 64);
-        acc0 = _mm512_fmadd_ps(bf16x16(row + 2 * i), _mm512_loadu_ps(a.x + i), acc0);
-        acc1 = _mm512_fmadd_ps(bf16x16(row + 2 * i + 32), _mm512_loadu_ps(a.x + i + 16), acc1);
-    }
-    float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    for (; i < cols; ++i) acc += bf16_to_fp32(load_u16(row + 2 * i)) * a.x[i];
-    return acc;
-}
-
-float dot_f16(const uint8_t* row, const Act& a, int cols) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int i = 0;
-    for (; i + 32 <= cols; i += 32) {
-        prefetch_ahead(row + 2 * i, 64);
-        acc0 = _mm512_fmadd_ps(_mm512_cvtph_ps(loadu256(row + 2 * i)), _mm512_loadu_ps(a.x + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtph_ps(loadu256(row + 2 * i + 32)), _mm512_loadu_ps(a.x + i + 16), acc1);
-    }
-    float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    for (; i < cols; ++i) acc += h2f(row + 2 * i) * a.x[i];
-    return acc;
-}
+    static float at(const uint8_t* p) { return bf16_at(p); }
+};
+using F32N = FloatN<V512, F32Row>;
+using F16N = FloatN<V512, F16Row>;
+using BF16N = FloatN<V512, BF16Row>;
+float dot_f32(const uint8_t* row, const Act& a, int cols) { return F32N::one(row, a, cols); }
+float dot_f16(const uint8_t* row, const Act& a, int cols) { return F16N::one(row, a, cols); }
+float dot_bf16(const uint8_t* row, const Act& a, int cols) { return BF16N::one(row, a, cols); }
 
 // One 32-value block's weights as signed bytes (w), for the 32-value formats.
 inline __m256i q8_0_block(const uint8_t* blk) { return loadu256(blk + 2); }
@@ -305,6 +295,9 @@ const KernelTable& avx512_kernels() {
     static const KernelTable t = [] {
         KernelTable k = {"avx512", {dot_f32, dot_f16, dot_bf16, dot_q8_0, dot_q4_0, dot_q4_k, dot_q5_k, dot_q6_k}, {}};
         t_fill(k.dot);
+        k.dotn[ENC_F32] = dot_columns<F32N>;
+        k.dotn[ENC_F16] = dot_columns<F16N>;
+        k.dotn[ENC_BF16] = dot_columns<BF16N>;
         k.dotn[ENC_Q4_K] = dot_columns<KAffineN<false>>;      // (other encodings: dot_many loops over dot)
         k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
         k.dotn[ENC_Q6_K] = dot_columns<Q6KN>;

@@ -49,3 +49,45 @@ struct Columns {
     }
 };
 
+
+// Float rows (f32 / f16 / bf16: E::VB bytes a value, E::load widens V::W of them, E::at one) against
+// N <= 4 columns of fp32 activations. V is the ISA's vector: W lanes, zero / loadx / fma / add / sum. Two
+// accumulators per column over 2W values a step, then the tail one value at a time; N = 1 is the
+// single-column kernel (`one`), so every column of a wider call has its bits, and the weights are
+// widened once for all N columns.
+template <class V, class E>
+struct FloatN {
+    static constexpr int VB = E::VB;
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        typename V::vec acc0[N], acc1[N];
+        for (int j = 0; j < N; ++j) acc0[j] = acc1[j] = V::zero();
+        int i = 0;
+        for (; i + 2 * V::W <= cols; i += 2 * V::W) {
+            prefetch_ahead(row + VB * i, 2 * V::W * VB);
+            const typename V::vec w0 = E::load(row + VB * i), w1 = E::load(row + VB * (i + V::W));
+            for (int j = 0; j < N; ++j) {
+                acc0[j] = V::fma(w0, V::loadx(acts[j]->x + i), acc0[j]);
+                acc1[j] = V::fma(w1, V::loadx(acts[j]->x + i + V::W), acc1[j]);
+            }
+        }
+        for (int j = 0; j < N; ++j) {
+            float acc = V::sum(V::add(acc0[j], acc1[j]));
+            for (int k = i; k < cols; ++k) acc += E::at(row + VB * k) * acts[j]->x[k];
+            out[j * stride] = acc;
+        }
+    }
+    static float one(const uint8_t* row, const Act& a, int cols) {
+        const Act* p = &a;
+        float out;
+        run<1>(row, &p, cols, &out, 0);
+        return out;
+    }
+};
+
+inline float f32_at(const uint8_t* p) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+inline float bf16_at(const uint8_t* p) { return bf16_to_fp32(load_u16(p)); }
