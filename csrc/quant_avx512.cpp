@@ -41,27 +41,15 @@ struct V512 {
     static vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
     static vec add(vec a, vec b) { return _mm512_add_ps(a, b); }
     static float sum(vec v) { return _mm512_reduce_add_ps(v); }
-};
-struct F32Row {
-    static constexpr int VB = 4;
-    static __m512 load(const uint8_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
-    static float at(const uint8_t* p) { return f32_at(p); }
-};
-struct F16Row {
-    static constexpr int VB = 2;
-    static __m512 load(const uint8_t* p) { return _mm512_cvtph_ps(loadu256(p)); }
-    static float at(const uint8_t* p) { return h2f(p); }
-};
-struct BF16Row {
-    static constexpr int VB = 2;
-    static __m512 load(const uint8_t* p) {
+    static vec f32(const uint8_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
+    static vec f16(const uint8_t* p) { return _mm512_cvtph_ps(loadu256(p)); }
+    static vec bf16(const uint8_t* p) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(loadu256(p)), 16));
     }
-    static float at(const uint8_t* p) { return bf16_at(p); }
 };
-using F32N = FloatN<V512, F32Row>;
-using F16N = FloatN<V512, F16Row>;
-using BF16N = FloatN<V512, BF16Row>;
+using F32N = FloatN<V512, ENC_F32>;
+using F16N = FloatN<V512, ENC_F16>;
+using BF16N = FloatN<V512, ENC_BF16>;
 float dot_f32(const uint8_t* row, const Act& a, int cols) { return F32N::one(row, a, cols); }
 float dot_f16(const uint8_t* row, const Act& a, int cols) { return F16N::one(row, a, cols); }
 float dot_bf16(const uint8_t* row, const Act& a, int cols) { return BF16N::one(row, a, cols); }

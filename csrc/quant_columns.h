@@ -50,14 +50,31 @@ struct Columns {
 };
 
 
-// Float rows (f32 / f16 / bf16: E::VB bytes a value, E::load widens V::W of them, E::at one) against
-// N <= 4 columns of fp32 activations. V is the ISA's vector: W lanes, zero / loadx / fma / add / sum. Two
-// accumulators per column over 2W values a step, then the tail one value at a time; N = 1 is the
-// single-column kernel (`one`), so every column of a wider call has its bits, and the weights are
-// widened once for all N columns.
-template <class V, class E>
+// Float rows (ENC: f32, f16 or bf16) against N <= 4 columns of fp32 activations. V is the ISA's
+// vector: W lanes, zero / loadx / fma / add / sum, and f32 / f16 / bf16 widening W stored values.
+// Two accumulators per column over 2W values a step, then the tail one value at a time; N = 1 is
+// the single-column kernel (`one`), so every column of a wider call has its bits, and the weights
+// are widened once for all N columns.
+template <class V, int ENC>
 struct FloatN {
-    static constexpr int VB = E::VB;
+    static_assert(ENC == ENC_F32 || ENC == ENC_F16 || ENC == ENC_BF16, "FloatN reads the float encodings");
+    static constexpr int VB = ENC == ENC_F32 ? 4 : 2;     // bytes a value
+    static typename V::vec load(const uint8_t* p) {
+        if constexpr (ENC == ENC_F32) return V::f32(p);
+        else if constexpr (ENC == ENC_F16) return V::f16(p);
+        else return V::bf16(p);
+    }
+    static float at(const uint8_t* p) {
+        if constexpr (ENC == ENC_F32) {
+            float v;
+            std::memcpy(&v, p, 4);
+            return v;
+        } else if constexpr (ENC == ENC_F16) {
+            return fp16_to_fp32(load_u16(p));
+        } else {
+            return bf16_to_fp32(load_u16(p));
+        }
+    }
     template <int N>
     static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
         typename V::vec acc0[N], acc1[N];
@@ -65,7 +82,7 @@ struct FloatN {
         int i = 0;
         for (; i + 2 * V::W <= cols; i += 2 * V::W) {
             prefetch_ahead(row + VB * i, 2 * V::W * VB);
-            const typename V::vec w0 = E::load(row + VB * i), w1 = E::load(row + VB * (i + V::W));
+            const typename V::vec w0 = load(row + VB * i), w1 = load(row + VB * (i + V::W));
             for (int j = 0; j < N; ++j) {
                 acc0[j] = V::fma(w0, V::loadx(acts[j]->x + i), acc0[j]);
                 acc1[j] = V::fma(w1, V::loadx(acts[j]->x + i + V::W), acc1[j]);
@@ -73,7 +90,7 @@ struct FloatN {
         }
         for (int j = 0; j < N; ++j) {
             float acc = V::sum(V::add(acc0[j], acc1[j]));
-            for (int k = i; k < cols; ++k) acc += E::at(row + VB * k) * acts[j]->x[k];
+            for (int k = i; k < cols; ++k) acc += at(row + VB * k) * acts[j]->x[k];
             out[j * stride] = acc;
         }
     }
@@ -84,10 +101,3 @@ struct FloatN {
         return out;
     }
 };
-
-inline float f32_at(const uint8_t* p) {
-    float v;
-    std::memcpy(&v, p, 4);
-    return v;
-}
-inline float bf16_at(const uint8_t* p) { return bf16_to_fp32(load_u16(p)); }

@@ -19,8 +19,7 @@ from lean_qwenflash.families import family_for
 from lean_qwenflash.models.layers.linear import Embedding, Linear
 from lean_qwenflash.models.policy import ExecPolicy
 from lean_qwenflash.models.moe.routers import Router
-from lean_qwenflash.quant import QuantRows, QuantTensor, get_encoding
-from lean_qwenflash.quant.floats import BY_DTYPE_NAME
+from lean_qwenflash.quant import ENCODINGS, QuantRows, QuantTensor
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
@@ -90,7 +89,7 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     return model.eval().requires_grad_(False)
 
 
-_NARROW_FLOATS = (torch.float16, torch.bfloat16)
+_NARROW_FLOATS = {ENCODINGS[n].torch_dtype: ENCODINGS[n] for n in ("f16", "bf16")}     # torch dtype -> encoding
 
 
 def _keep_stored_floats(model, tensors: dict, expected: dict, dtype: torch.dtype) -> dict:
@@ -108,9 +107,8 @@ def _keep_stored_floats(model, tensors: dict, expected: dict, dtype: torch.dtype
         module = model.get_submodule(key.rsplit(".", 1)[0])
         if not isinstance(module, (Linear, Embedding)) or isinstance(module, Router):
             continue
-        enc = get_encoding(BY_DTYPE_NAME[str(v.dtype).removeprefix("torch.")])
         raw = v.contiguous().view(torch.uint8)
-        out[key] = QuantTensor(raw.view(v.shape[0], -1), enc, tuple(v.shape))
+        out[key] = QuantTensor(raw.view(v.shape[0], -1), _NARROW_FLOATS[v.dtype], tuple(v.shape))
     return out
 
 
