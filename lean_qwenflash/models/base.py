@@ -194,12 +194,14 @@ class CausalLM(nn.Module):
         sequence alone; in fast mode the rows share kernel calls (experts, dense MLPs, the head)."""
         return self._on_threads(input_ids.view(-1, 1), self._forward_rows, input_ids.view(-1, 1), states)
 
-    # whether every projection of the layers holds encoded rows (routers aside); computed once
+    # whether every projection of the layers holds encoded rows (routers, and float matrices of at
+    # most kernels.TINY_FLOAT_BYTES, aside); computed once
     _encoded = None
 
     def _matrices_encoded(self) -> bool:
         if self._encoded is None:
-            self._encoded = all(m.qweight is not None for layer in self._layers for m in layer.modules()
+            self._encoded = all(m.qweight is not None or m.weight.nbytes <= kernels.TINY_FLOAT_BYTES
+                                for layer in self._layers for m in layer.modules()
                                 if isinstance(m, Linear) and not isinstance(m, Router))
         return self._encoded
 
