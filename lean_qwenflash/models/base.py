@@ -194,14 +194,17 @@ class CausalLM(nn.Module):
         sequence alone; in fast mode the rows share kernel calls (experts, dense MLPs, the head)."""
         return self._on_threads(input_ids.view(-1, 1), self._forward_rows, input_ids.view(-1, 1), states)
 
-    # whether every projection of the layers holds encoded rows (routers, and float matrices of at
-    # most kernels.TINY_FLOAT_BYTES, aside); computed once
+    # whether the layers' projections are held as encoded rows (routers aside): a quantized model, or
+    # stored bf16 / f16 matrices. A few float f32 exceptions do not count: a matrix a GGUF transform
+    # had to dequantize (Qwen3.5's out_proj, whose columns llama.cpp reorders), a shared-expert gate
+    # llama.cpp stores F32. Their SGEMM on one torch thread costs less than torch's second thread
+    # spinning beside the native pool (hybrid Q4_K_M file, 32-token prompt, one process, torch on one
+    # thread vs two: 130-132 vs 95-120 tok/s; 128 tokens 160-170 either way). Computed once.
     _encoded = None
 
     def _matrices_encoded(self) -> bool:
         if self._encoded is None:
-            self._encoded = all(m.qweight is not None or m.weight.nbytes <= kernels.TINY_FLOAT_BYTES
-                                for layer in self._layers for m in layer.modules()
+            self._encoded = any(m.qweight is not None for layer in self._layers for m in layer.modules()
                                 if isinstance(m, Linear) and not isinstance(m, Router))
         return self._encoded
 
@@ -211,7 +214,7 @@ class CausalLM(nn.Module):
         kernels doing the heavy products on their own threads, torch's small per-token ops run
         faster on one thread than fighting them for the cores: q4_k_m decode 35 -> 43 tok/s) and
         keep the native pool spinning meanwhile. So do steps of at most NATIVE_GEMM_MAX_TOKENS
-        tokens of a model whose projections are all encoded, where every matrix product is native
+        tokens of a model whose projections are encoded, where the matrix products are native
         too (a short prompt, a prompt's last chunk): torch's two threads spinning beside the native
         pool's made its small ops take milliseconds (Q4_K_M, 32 tokens: 117 -> 173 tok/s; 128: 199 ->
         221; from 256 tokens the resident matrices are torch's SGEMM again and keep the budget)."""

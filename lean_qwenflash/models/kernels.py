@@ -199,11 +199,6 @@ def expert_mlp(x: torch.Tensor, expert, ctx: ExecContext = STANDALONE) -> torch.
 # 8 vs 13 ms, 512 tokens 32 vs 23 ms).
 NATIVE_GEMM_MAX_TOKENS = 128
 
-# A float matrix of at most this many bytes (a shared-expert gate [1, H], DeltaNet's a/b projections)
-# costs torch's SGEMM on one thread a few µs for NATIVE_GEMM_MAX_TOKENS tokens: a model whose other
-# projections are all encoded still runs such a step as a native one (``CausalLM._on_threads``).
-TINY_FLOAT_BYTES = 64 << 10
-
 
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, ctx: ExecContext = STANDALONE,
                  role: str = "linear") -> torch.Tensor:
