@@ -54,6 +54,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from common import can_limit_memory, drop_page_cache, run_json_worker  # noqa: E402
 
+# Each engine's worker gets the environment this bench was started with: importing lean_qwenflash
+# here (building the files) sets GOMP_SPINCOUNT for our process, which must not reach llama.cpp's.
+WORKER_ENV = dict(os.environ)
+
 
 def read_bytes() -> int:
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -201,6 +205,7 @@ def worker_llama(spec: dict) -> dict:
 
 
 def worker_ours(spec: dict) -> dict:
+    import lean_qwenflash  # noqa: F401  (before torch, as the CLI and server load it)
     import torch
     from lean_qwenflash.config import load_config
     from lean_qwenflash.generate.state import new_state
@@ -275,9 +280,9 @@ def run_worker(kind: str, spec: dict, cap_bytes: int | None, files: dict, case: 
         for f in ([path] if kind == "llama" else sorted(Path(path).glob("*"))):
             warm_file(f)
     cmd = [sys.executable, __file__, "--worker", kind, json.dumps(dict(spec, path=str(path)))]
-    env = None
+    env = dict(WORKER_ENV)
     if kind == "ours" and ours_repo:
-        env = {**os.environ, "PYTHONPATH": ours_repo, "LQF_OURS_REPO": ours_repo}
+        env.update(PYTHONPATH=ours_repo, LQF_OURS_REPO=ours_repo)
     with neighbour(spec["setting"]):
         return run_json_worker(cmd, cap_bytes, "lqf-peer-gguf", env=env)
 
@@ -313,10 +318,6 @@ def main() -> int:
     files = prepare(Path(args.work), args.experts_gib, args.layers, args.threads, args.cases.split(","))
     config = files["config"]
     file_bytes = files["gguf"]["uniform"].stat().st_size
-    cap = int(args.cap_gib * 2**30) if args.cap_gib else file_bytes // 2
-    # (the rest of the cap holds the resident weights, the runtime and the page cache of the reads;
-    # a cap under 2 GiB leaves the host cache half of it)
-    capped_cache = args.host_cache_gib if args.host_cache_gib else max(cap / 2**30 - 1.0, cap / 2**30 / 2)
     sizes = [int(n) for n in args.prompt_sizes.split(",")]
     import random
     rng = random.Random(0)
@@ -331,10 +332,13 @@ def main() -> int:
                 continue
             # the cached setting: a host cache holding every record (file size is an upper bound)
             case_bytes = files["gguf"][case].stat().st_size
+            cap, capped_cache = _cap(args, case_bytes)
             spec = dict(base, setting=setting,
                         host_cache_gib=capped_cache if setting == "capped" else case_bytes / 2**30 + 0.5)
             limit = cap if setting == "capped" else None
-            row = {"case": case, "setting": setting}
+            row = {"case": case, "setting": setting, "file_bytes": case_bytes}
+            if setting == "capped":
+                row.update(cap_bytes=cap, host_cache_gib=capped_cache)
             engines = args.engines.split(",")
             runs = {"llama": [], "ours": []}
             for _ in range(args.repeats):          # (engines take turns: drift hits both alike)
@@ -345,13 +349,20 @@ def main() -> int:
             row.update({engine: _median_run(r) for engine, r in runs.items() if r})
             rows.append(row)
             print(f"  {case} {setting} done", file=sys.stderr, flush=True)
-    print_table(rows, sizes, args, config, file_bytes, cap, capped_cache)
+    print_table(rows, sizes, args, config, file_bytes)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"config": config, "file_bytes": file_bytes, "cap_bytes": cap,
-                                          "host_cache_gib": capped_cache, "ours_repo": args.ours_repo,
+    Path(args.out).write_text(json.dumps({"config": config, "file_bytes": file_bytes, "ours_repo": args.ours_repo,
                                           "rows": rows}, indent=1))
     print(f"wrote {args.out}")
     return 0
+
+
+def _cap(args, case_bytes: int) -> tuple:
+    """(cgroup limit in bytes, our host cache in GiB) for the capped setting of a file of
+    ``case_bytes``: --cap-gib, else half the file; the rest of the cap holds the resident weights,
+    the runtime and the page cache of the reads (a cap under 2 GiB leaves the host cache half of it)."""
+    cap = int(args.cap_gib * 2**30) if args.cap_gib else case_bytes // 2
+    return cap, args.host_cache_gib if args.host_cache_gib else max(cap / 2**30 - 1.0, cap / 2**30 / 2)
 
 
 def _median_run(runs: list) -> dict:
@@ -373,14 +384,15 @@ def _rates(m: dict, sizes: list, tokens: int) -> list:
     return [int(n) / m["prefill_s"][str(n)] for n in sizes] + [tokens / m["decode_s"]]
 
 
-def print_table(rows, sizes, args, config, file_bytes, cap, capped_cache) -> None:
+def print_table(rows, sizes, args, config, file_bytes) -> None:
     print(f"\nGGUF Q4_K_M made by llama.cpp from a random Qwen3-MoE-shaped model (hybrid: Qwen3.5-MoE-shaped, "
           f"the same experts): {file_bytes / 2**30:.2f} GiB, "
           f"{config['num_hidden_layers']} layers x {config['num_experts']} experts, top-{config['num_experts_per_tok']}; "
           f"{args.threads} threads; prefill of a fresh {'/'.join(map(str, sizes))}-token prompt, then {args.tokens} "
           f"decode steps (a fixed random token stream) after the {min(sizes)}-token prompt, first pass each"
           f"{f', median of {args.repeats} processes' if args.repeats > 1 else ''}. "
-          f"Capped: cgroup limit {cap / 2**30:.2f} GiB (page cache counted), our host cache {capped_cache:.2f} GiB.")
+          + "; ".join(f"Capped {r['case']}: cgroup limit {r['cap_bytes'] / 2**30:.2f} GiB (page cache counted), our "
+                      f"host cache {r['host_cache_gib']:.2f} GiB" for r in rows if "cap_bytes" in r) + ".")
     cols = [f"prefill {n}" for n in sizes] + ["decode"]
     print(f"{'routing':8s} {'setting':8s} {'engine':10s} " + " ".join(f"{c:>12s}" for c in cols)
           + f" {'MiB/tok':>8s} {'hit':>5s}   ours/llama (prefill..., decode)   vs idle")
