@@ -5,6 +5,7 @@ store) knows nothing of configs.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +17,7 @@ from .experts.tiered import TieredExperts
 from .families import moe_facts
 from .generate.sampling import SamplingParams
 from .loader import build_model
-from .models.policy import ExecPolicy
+from .models.policy import ExecPolicy, torch_threads_spin
 from .store.checkpoint import TORCH_DTYPES
 from .store.reader import ExpertStore
 
@@ -92,6 +93,9 @@ class Runtime:
                 device=device, device_cache_bytes=cfg.device_cache_bytes, prefetch=cfg.prefetch,
                 prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
         model = build_model(config, resident, provider, dtype=dtype, device=device, policy=ExecPolicy.from_config(cfg))
+        spin = torch_threads_spin() if device.type == "cpu" else None
+        if spin:
+            warnings.warn(spin, RuntimeWarning, stacklevel=2)
         if isinstance(provider, TieredExperts):
             provider.set_predictors(model.expert_predictors())     # prefetch with the family's routing rule
         tokenizer = None

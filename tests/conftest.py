@@ -2,10 +2,12 @@ import os
 import sys
 
 import pytest
-import torch
 
 # Tests run against the working tree even before `pip install -e .`.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lean_qwenflash  # noqa: E402,F401  (before torch, as users should: torch's idle OpenMP threads spin briefly)
+import torch  # noqa: E402
 
 # The test models are tiny: one thread is faster than two and immune to a busy second core.
 torch.set_num_threads(1)

@@ -125,3 +125,53 @@ def test_native_kernels_called_from_two_threads_with_different_budgets():
     for w in workers:
         w.join()
     assert not bad
+
+
+_IDLE_SPIN_PROBE = r"""
+import json, os, sys, time
+first = sys.argv[1]
+if first == "torch":
+    import torch
+import lean_qwenflash
+import torch
+from lean_qwenflash.models.policy import torch_threads_spin
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+for _ in range(20):
+    a @ a                                    # parallel regions: both OpenMP threads ran
+t0 = os.times()
+time.sleep(0.3)                              # torch idle: what do its threads do?
+t1 = os.times()
+print(json.dumps({"env": os.environ.get("OMP_WAIT_POLICY"), "spin_count": os.environ.get("GOMP_SPINCOUNT"),
+                  "policy": lean_qwenflash.TORCH_OMP_WAIT,
+                  "spin": torch_threads_spin(), "idle_cpu_s": (t1.user - t0.user) + (t1.system - t0.system)}))
+"""
+
+
+def _probe(first: str, **env):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _IDLE_SPIN_PROBE, first], capture_output=True, text=True,
+                         env={**base, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **env}, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_torch_openmp_threads_spin_briefly_unless_the_user_chose():
+    """Imported before torch, the package caps how long torch's idle OpenMP threads spin (so a busy
+    neighbour does not make them hold its core for ~10 ms at every region); a user's own setting is
+    kept (OMP_WAIT_POLICY=ACTIVE: the idle thread spins through the whole sleep, which shows libgomp
+    reads these variables when torch loads); torch imported first with neither is reported, with
+    what to do."""
+    ours = _probe("lean_qwenflash")
+    assert (ours["env"], ours["spin_count"], ours["policy"], ours["spin"]) == (None, "3000", "GOMP_SPINCOUNT=3000", None)
+    active = _probe("lean_qwenflash", OMP_WAIT_POLICY="ACTIVE")
+    assert (active["env"], active["spin_count"], active["policy"], active["spin"]) == \
+        ("ACTIVE", None, "OMP_WAIT_POLICY=ACTIVE", None)
+    assert ours["idle_cpu_s"] < 0.1 < active["idle_cpu_s"], (ours, active)
+    late = _probe("torch")
+    assert late["policy"] is None and late["spin_count"] is None
+    assert "GOMP_SPINCOUNT=3000" in late["spin"] and "before torch" in late["spin"]
