@@ -23,9 +23,11 @@ import sys
 import tempfile
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)
+import torch  # noqa: E402
 
 from lean_qwenflash.generate import Generator, new_state  # noqa: E402
 from lean_qwenflash.loader import load_hf_checkpoint  # noqa: E402

@@ -31,12 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 # a --baseline worker imports the package from the baseline tree instead
 sys.path.insert(0, os.environ.get("LQF_BENCH_TREE") or str(REPO))
+
+import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from lean_qwenflash.experts.provider import ExpertWeights  # noqa: E402
 from lean_qwenflash.models import kernels, native  # noqa: E402

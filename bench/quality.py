@@ -47,10 +47,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)
+import torch  # noqa: E402
 
 from lean_qwenflash.chat import Tokenizer  # noqa: E402
 from lean_qwenflash.config import load_config  # noqa: E402

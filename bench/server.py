@@ -32,6 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)
 import torch  # noqa: E402
 
 

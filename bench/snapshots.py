@@ -19,9 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)
+import torch  # noqa: E402
 
 from bench.common import evict_page_cache  # noqa: E402
 

@@ -35,11 +35,13 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+
+import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)
+import torch  # noqa: E402
 
 from lean_qwenflash.store import format as fmt  # noqa: E402
 from lean_qwenflash.store.checkpoint import StreamingSafetensorsWriter  # noqa: E402
