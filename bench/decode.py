@@ -23,7 +23,6 @@ import sys
 import tempfile
 import time
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)

@@ -31,7 +31,6 @@ import sys
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 # a --baseline worker imports the package from the baseline tree instead
 sys.path.insert(0, os.environ.get("LQF_BENCH_TREE") or str(REPO))

@@ -47,7 +47,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 

@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lean_qwenflash  # noqa: E402,F401  (before torch: it sets torch's OpenMP spin)

@@ -14,13 +14,12 @@ __version__ = "0.1.0"
 # 0.71-0.76x, but 5-8% slower idle; docs/DESIGN.md, "Expert kernels"). So unless the user set
 # either, GOMP_SPINCOUNT is ours: this has to run before torch is imported. ``TORCH_OMP_WAIT`` says
 # what torch's threads got: None when torch was loaded first with neither set (they spin long;
-# ``doctor`` and ``Runtime.open`` say so).
+# ``doctor`` and ``Runtime.open`` say so); ``TORCH_OMP_WAIT_OURS`` whether it is our setting.
 OMP_SPIN_COUNT = "3000"
 _chosen = [f"{k}={_os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in _os.environ]
-if _chosen:
-    TORCH_OMP_WAIT = ", ".join(_chosen)
-elif "torch" in _sys.modules:
-    TORCH_OMP_WAIT = None
-else:
+TORCH_OMP_WAIT_OURS = not _chosen and "torch" not in _sys.modules
+if TORCH_OMP_WAIT_OURS:
     _os.environ["GOMP_SPINCOUNT"] = OMP_SPIN_COUNT
     TORCH_OMP_WAIT = f"GOMP_SPINCOUNT={OMP_SPIN_COUNT}"
+else:
+    TORCH_OMP_WAIT = ", ".join(_chosen) or None

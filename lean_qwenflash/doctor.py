@@ -106,13 +106,14 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print, cfg=N
     out(f"CPU budget:    {available_cpus()} threads for compute (affinity {len(os.sched_getaffinity(0))} cores"
         + (f", cgroup quota {quota:.2f} cores" if quota is not None else ", no cgroup CPU quota")
         + "; cpu_threads: 0 uses this, torch and the native kernels share it)")
-    from . import TORCH_OMP_WAIT
+    from . import TORCH_OMP_WAIT, TORCH_OMP_WAIT_OURS
     spin = torch_threads_spin()
-    from . import OMP_SPIN_COUNT
-    ours = TORCH_OMP_WAIT == f"GOMP_SPINCOUNT={OMP_SPIN_COUNT}"
-    out(f"torch threads: {spin}" if spin else
-        f"torch threads: OpenMP {TORCH_OMP_WAIT} ("
-        + ("idle threads spin briefly, then sleep: a busy neighbour costs about its share)" if ours else "set by you)"))
+    if spin:
+        out(f"torch threads: {spin}")
+    elif TORCH_OMP_WAIT_OURS:
+        out(f"torch threads: OpenMP {TORCH_OMP_WAIT} (idle threads spin briefly, then sleep: a busy neighbour costs about its share)")
+    else:
+        out(f"torch threads: OpenMP {TORCH_OMP_WAIT} (set by you)")
 
     if pack:
         from .store import ExpertStore

@@ -1,5 +1,11 @@
 """The execution policy is per model: two models with different policies in one process each
 compute what they compute alone, with their own workspaces, and a policy comes from the config."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -149,11 +155,6 @@ print(json.dumps({"env": os.environ.get("OMP_WAIT_POLICY"), "spin_count": os.env
 
 
 def _probe(first: str, **env):
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", _IDLE_SPIN_PROBE, first], capture_output=True, text=True,
                          env={**base, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **env}, check=True)

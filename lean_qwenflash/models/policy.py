@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from .. import OMP_SPIN_COUNT, TORCH_OMP_WAIT
 from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES
 
 # Idle-worker spin (pause instructions) of the native pool during a CPU decode step, where torch
@@ -46,13 +47,12 @@ def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> Optional[float]:
 def torch_threads_spin() -> Optional[str]:
     """Why torch's idle OpenMP threads spin long in this process (None: they spin briefly, or the
     user chose). ``lean_qwenflash/__init__.py`` sets that up when it is imported before torch."""
-    import lean_qwenflash
-    if lean_qwenflash.TORCH_OMP_WAIT is not None:
+    if TORCH_OMP_WAIT is not None:
         return None
     return ("torch was imported before lean_qwenflash with neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY "
             "set, so its idle threads spin ~10 ms each time: beside another busy process a long prompt "
             "ran 2-5x slower. Import lean_qwenflash before torch, or set "
-            f"GOMP_SPINCOUNT={lean_qwenflash.OMP_SPIN_COUNT} in the environment")
+            f"GOMP_SPINCOUNT={OMP_SPIN_COUNT} in the environment")
 
 
 def available_cpus() -> int:
