@@ -116,6 +116,11 @@ void deltanet_step(const DeltaNetStep& s, const float* x, float* conv_state, flo
     rms_norm(core.data(), nv, dv, s.out_norm, 1, s.out_eps, core.data());
     for (int i = 0; i < value_dim; ++i) core[i] *= silu(z[i]);
     std::vector<float> o(H);
+    if (s.out_order) {
+        std::vector<float> ordered(value_dim);
+        for (int i = 0; i < value_dim; ++i) ordered[i] = core[s.out_order[i]];
+        core.swap(ordered);
+    }
     gemv(s.w[4], s.enc[4], H, value_dim, core.data(), o.data(), num_threads, isa);
     for (int i = 0; i < H; ++i) out[i] = x[i] + o[i];
 }

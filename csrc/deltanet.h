@@ -25,6 +25,9 @@ struct DeltaNetStep {
     const float* dt_bias = nullptr;  // [v_heads]
     const float* out_norm = nullptr; // the gated output norm's weight [v_dim]
     float out_eps = 1e-6f;
+    // null, or out_proj's stored column order [v_heads * v_dim]: stored column j is column
+    // out_order[j] (quant.QuantCols), so out_proj reads its input permuted
+    const int64_t* out_order = nullptr;
 };
 
 // out[H] = x + out_proj(norm(core) * silu(z)) for one token, where core is the gated delta rule

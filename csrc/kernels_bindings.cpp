@@ -202,7 +202,7 @@ PYBIND11_MODULE(_kernels, m) {
         .def(py::init([](int hidden, int k_heads, int v_heads, int k_dim, int v_dim, int conv_kernel, bool split,
                          uintptr_t in_norm, int in_norm_mode, float in_eps, const std::vector<uintptr_t>& w,
                          const std::vector<int>& enc, const std::vector<int>& rows, uintptr_t conv, uintptr_t a_log,
-                         uintptr_t dt_bias, uintptr_t out_norm, float out_eps) {
+                         uintptr_t dt_bias, uintptr_t out_norm, float out_eps, uintptr_t out_order) {
                  if (w.size() != 5 || enc.size() != 5 || rows.size() != 5)
                      throw std::invalid_argument("DeltaNetStep: w, enc and rows need 5 entries");
                  if (!in_norm || !conv || !a_log || !dt_bias || !out_norm)
@@ -218,12 +218,13 @@ PYBIND11_MODULE(_kernels, m) {
                  }
                  s.conv = ptr<const float>(conv), s.a_log = ptr<const float>(a_log), s.dt_bias = ptr<const float>(dt_bias);
                  s.out_norm = ptr<const float>(out_norm), s.out_eps = out_eps;
+                 s.out_order = out_order ? ptr<const int64_t>(out_order) : nullptr;
                  return s;
              }),
              py::arg("hidden"), py::arg("k_heads"), py::arg("v_heads"), py::arg("k_dim"), py::arg("v_dim"),
              py::arg("conv_kernel"), py::arg("split"), py::arg("in_norm"), py::arg("in_norm_mode"), py::arg("in_eps"),
              py::arg("w"), py::arg("enc"), py::arg("rows"), py::arg("conv"), py::arg("a_log"), py::arg("dt_bias"),
-             py::arg("out_norm"), py::arg("out_eps"))
+             py::arg("out_norm"), py::arg("out_eps"), py::arg("out_order") = 0)
         .def(
             "run",
             [](const DeltaNetStep& s, uintptr_t x, uintptr_t conv_state, uintptr_t recurrent, uintptr_t out, int threads,

@@ -19,7 +19,7 @@ from lean_qwenflash.families import family_for
 from lean_qwenflash.models.layers.linear import Embedding, Linear
 from lean_qwenflash.models.policy import ExecPolicy
 from lean_qwenflash.models.moe.routers import Router
-from lean_qwenflash.quant import ENCODINGS, QuantRows, QuantTensor
+from lean_qwenflash.quant import ENCODINGS, QuantCols, QuantRows, QuantTensor
 from lean_qwenflash.store import naming
 from lean_qwenflash.store.checkpoint import CheckpointError, HFCheckpoint
 
@@ -70,7 +70,7 @@ def build_model(config: dict, resident_tensors: Mapping[str, torch.Tensor], prov
     if policy is not None and policy.stored_floats and torch.device(device).type == "cpu":
         tensors = _keep_stored_floats(model, tensors, expected, dtype)
     # Block-quantized resident matrices (pack --quant) replace their Linear's float parameter.
-    quantized = {k for k, v in tensors.items() if isinstance(v, (QuantTensor, QuantRows)) and k in expected}
+    quantized = {k for k, v in tensors.items() if isinstance(v, (QuantTensor, QuantRows, QuantCols)) and k in expected}
     for key in quantized:
         module = model.get_submodule(key.rsplit(".", 1)[0])
         if not isinstance(module, (Linear, Embedding)) or not key.endswith(".weight"):

@@ -177,6 +177,70 @@ def test_quantized_records_are_the_gguf_bytes(files):
                     assert np.array_equal(blob[base + dn.offset:base + dn.offset + dn.nbytes], d)
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q4_k_m"])
+def test_reordered_columns_stay_encoded(kind, files, tmp_path):
+    """Qwen3.5's out_proj, whose columns llama.cpp's converter reorders by value head: the pack keeps
+    the file's block rows and the column order (a v3 pack; ``col_order``), not an f32 copy; it reads
+    back as the HF matrix exactly; the fused decode step of every DeltaNet layer follows the separate
+    calls (both permute the input); a pack that lost the order, or a v2 manifest claiming one, is
+    refused by name."""
+    import json
+    import shutil
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    from lean_qwenflash.generate.state import DeltaNetState
+    from lean_qwenflash.models.layers import deltanet
+    from lean_qwenflash.quant import QuantCols
+    from lean_qwenflash.store import StoreError
+
+    src = files.gguf("qwen3_5_moe", kind)
+    path = files.pack(src, f"qwen3_5_moe-{kind}")
+    stored = {t.name: t for t in gguf.GGUFReader(str(src)).tensors}
+    ckpt = GGUFCheckpoint(src)
+    doc = json.loads((path / "manifest.json").read_text())
+    outs = [t for t in doc["resident"] if t["name"].endswith("linear_attn.out_proj.weight")]
+    assert doc["version"] == 3 and outs and all(t.get("col_order") is True for t in outs)
+    assert not any("out_proj" in n for n in doc["notes"]), doc["notes"]
+    with ExpertStore.open(path) as store:
+        resident = store.load_resident()
+    for t in outs:
+        q, layer = resident[t["name"]], int(t["name"].split(".")[2])
+        theirs = stored[f"blk.{layer}.ssm_out.weight"]
+        assert isinstance(q, QuantCols) and q.encoding.ggml_type == int(theirs.tensor_type)
+        assert np.array_equal(q.inner.raw.numpy().reshape(-1), np.asarray(theirs.data).reshape(-1).view(np.uint8))
+        assert not torch.equal(q.order, torch.arange(q.shape[1]))      # the test model has 2 value heads per key head
+        assert torch.equal(q.dequantize(), ckpt.get(ckpt.resident_keys[t["name"]]))
+
+    torch.manual_seed(0)
+    with Runtime.open(load_config(model=str(path), dtype="float32", expert_kernels="fast"),
+                      resident_experts=True) as rt, torch.inference_mode():
+        layers = [layer for layer in rt.model._layers if isinstance(layer._blocks[0], deltanet.GatedDeltaNet)]
+        assert layers
+        for layer in layers:
+            step, net, norm = layer.mixer_step(), layer._blocks[0], layer.input_layernorm
+            assert isinstance(step, deltanet.DeltaNetStep) and isinstance(net.out_proj.qweight, QuantCols)
+            fused, separate = DeltaNetState(), DeltaNetState()
+            for _ in range(3):
+                x = torch.randn(1, 1, net.out_proj.out_features)
+                torch.testing.assert_close(step(x, None, fused), x + net(norm(x), None, separate), rtol=1e-5, atol=1e-5)
+
+    name = outs[0]["name"]
+    lost = tmp_path / "lost"
+    shutil.copytree(path, lost)
+    tensors = load_file(str(lost / "resident.safetensors"))
+    tensors[name + ".col_order"] = torch.zeros_like(tensors[name + ".col_order"])
+    save_file(tensors, str(lost / "resident.safetensors"))
+    with ExpertStore.open(lost) as store, pytest.raises(StoreError, match=f"{name}.*col_order.*not a permutation"):
+        store.load_resident()
+    old = tmp_path / "v2"
+    shutil.copytree(path, old)
+    (old / "manifest.json").write_text(json.dumps(dict(doc, version=2)))
+    with pytest.raises(StoreError, match=f"{name}: col_order True is not a v3"):
+        ExpertStore.open(old)
+
+
 # -- DeepSeek: both MLA layouts, rotate-half checkpoints, V2 / V3 ---------------------------------
 
 def test_deepseek_older_kv_b_layout(files):

@@ -20,6 +20,10 @@ Some tensors are stored differently, not just renamed (llama.cpp's converter cha
   stays byte-exact;
 * value transforms (``Values``): e.g. Qwen3-Next's ``A_log`` is stored as ``-exp(A_log)``. They
   need float data (these are small vectors, always f32 in GGUF files);
+* column permutations (``PermuteCols``): Qwen3.5's ``out_proj`` columns follow its value heads,
+  which the converter reorders. A block encoding cannot move columns, so an encoded matrix is kept
+  as stored with its column order (``quant.QuantCols``: the input is permuted instead, exact);
+  float data is permuted (it is a ``Values``);
 * joined matrices (``Joined``): one HF matrix stored as several GGUF tensors, rows concatenated;
 * split tensors (``Split``): one HF tensor stored as several GGUF tensors by a float transform
   (DeepSeek's ``kv_b_proj`` as per-head ``attn_k_b`` (transposed) and ``attn_v_b``; GPT-OSS's
@@ -57,6 +61,16 @@ class Values:
     to_hf: Callable[[torch.Tensor, dict], torch.Tensor]
 
 
+class PermuteCols(Values):
+    """GGUF columns = HF columns[:, perm(config)] (a column permutation). As floats it is a
+    ``Values``; a block-encoded matrix keeps its stored rows and this order (``get_encoded``:
+    W x = stored (x[perm]), exact)."""
+
+    def __init__(self, perm: Callable[[dict], torch.Tensor]):
+        super().__init__(lambda w, c: w[:, perm(c)], lambda w, c: w[:, torch.argsort(perm(c))])
+        object.__setattr__(self, "perm", perm)
+
+
 @dataclass(frozen=True)
 class Split(Values):
     """One HF tensor stored as several GGUF tensors (``parts``, GGUF suffixes under blk.{L}.) by a
@@ -90,7 +104,7 @@ class GGUFArch:
         "gate": "ffn_gate_exps.weight", "up": "ffn_up_exps.weight", "down": "ffn_down_exps.weight"})
     # HF config key -> GGUF key (without the "{arch}." prefix)
     config_keys: dict = field(default_factory=lambda: dict(COMMON_KEYS))
-    # HF suffix under model.layers.{L}. (or a global HF name) -> Permute, Values, Joined or Split
+    # HF suffix under model.layers.{L}. (or a global HF name) -> Permute, Values, PermuteCols, Joined or Split
     transforms: dict = field(default_factory=dict)
     # HF suffix -> GGUF suffix of an older layout llama.cpp still reads (a plain rename: a file
     # holding it gets no transform for that tensor), e.g. DeepSeek's single attn_kv_b
@@ -179,4 +193,4 @@ def plus_one() -> Values:
 
 
 __all__ = ["ATTENTION", "COMMON_KEYS", "GATING_SIGMOID", "GATING_SOFTMAX", "GATING_SOFTMAX_WEIGHT", "GGUFArch", "Joined",
-           "Permute", "SHARED_EXPERTS", "Split", "Values", "head_dim", "plus_one", "rope_interleave", "rope_partial"]
+           "Permute", "PermuteCols", "SHARED_EXPERTS", "Split", "Values", "head_dim", "plus_one", "rope_interleave", "rope_partial"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from lean_qwenflash.families.base import ExpertLayout, Family
-from lean_qwenflash.families.gguf import GGUFArch, Permute, Values
+from lean_qwenflash.families.gguf import GGUFArch, Permute, PermuteCols, Values
 from lean_qwenflash.families.qwen3_next import GGUF as QWEN3_NEXT_GGUF
 from lean_qwenflash.families.qwen3_next import _gguf_metadata as qwen3_next_metadata
 from lean_qwenflash.families.qwen3_next import _linear_dims, build_hybrid, facts
@@ -43,8 +43,8 @@ def build(config: dict):
 # converter reorders the value heads from grouped by key head (HF: k0's v0..v(r-1), k1's ...) to
 # tiled (k0 v0, k1 v0, ..., k0 v1, ...), in every tensor indexed by value head: rows of the V part
 # of in_proj_qkv, of in_proj_z / in_proj_a / in_proj_b, of the conv's V channels, A_log and
-# dt_bias, and the columns of out_proj. Rows move whole (exact on encoded rows too); out_proj's
-# columns need float data (a quantized file's out_proj is dequantized). The rotary is llama.cpp's
+# dt_bias, and the columns of out_proj. Rows move whole (exact on encoded rows too); an encoded out_proj
+# keeps its stored columns and their order (PermuteCols: the input is permuted instead). The rotary is llama.cpp's
 # interleaved M-RoPE, whose sections (rope.dimension_sections) are required; for text all
 # positions are equal and it is the plain partial rotary.
 
@@ -69,13 +69,8 @@ def _rows(width) -> Permute:
     return Permute(lambda c: _v_tiled(c, width(c)))
 
 
-def _cols_values() -> Values:
-    def to_gguf(w, c):
-        return w[:, _v_tiled(c, _value_dim(c))]
-
-    def to_hf(w, c):
-        return w[:, torch.argsort(_v_tiled(c, _value_dim(c)))]
-    return Values(to_gguf, to_hf)
+def _cols() -> PermuteCols:
+    return PermuteCols(lambda c: _v_tiled(c, _value_dim(c)))
 
 
 def _gguf_metadata(config: dict) -> dict:
@@ -110,7 +105,7 @@ GGUF = GGUFArch(
                                     lambda a, c: (-a).log()[torch.argsort(_v_tiled(c, 1))]),
         "linear_attn.conv1d.weight": Values(lambda w, c: w.squeeze(1)[_qkv_perm(c)],
                                             lambda w, c: w[torch.argsort(_qkv_perm(c))].unsqueeze(1)),
-        "linear_attn.out_proj.weight": _cols_values()},
+        "linear_attn.out_proj.weight": _cols()},
     implied_config={"norm_topk_prob": True}, extra_config=_NEXT.extra_config, extra_metadata=_gguf_metadata)
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common import EXPERT_KERNELS  # noqa: F401  (the modes this module implements)
-from ..quant import QuantRows, QuantTensor
+from ..quant import QuantCols, QuantRows, QuantTensor
 from . import native
 from .policy import STANDALONE, ExecContext, Workspace
 
@@ -211,6 +211,8 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, ctx: ExecConte
         out = torch.cat([quant_linear(x, p, None, ctx, role) for p in weight.parts], dim=-1)
         out = out.index_select(-1, weight.order)
         return out if bias is None else out + bias
+    if isinstance(weight, QuantCols):      # stored columns in another order: the input follows them
+        return quant_linear(x.index_select(-1, weight.order), weight.inner, bias, ctx, role)
     policy = ctx.policy
     tokens = x.numel() // weight.shape[1]
     # (a family's own expert math, e.g. GPT-OSS's clamped SwiGLU, keeps exact products for many
@@ -239,7 +241,7 @@ def linears(x: torch.Tensor, modules, ctx: ExecContext = STANDALONE):
     weights = []
     for m in modules:
         w = m.qweight if m.qweight is not None else (m.weight if policy.float_native else None)
-        if w is None or isinstance(w, QuantRows) or not native.supports(w):
+        if w is None or not native.supports(w):
             return None
         weights.append(w)
     outs = native.gemv_multi(weights, x, isa=policy.isa, threads=policy.native_threads)

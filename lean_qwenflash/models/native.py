@@ -79,8 +79,9 @@ def is_f32(t) -> bool:
 
 
 def supports(weight) -> bool:
-    """Whether the native decode kernels can read this weight where it is."""
-    if _K is None:
+    """Whether the native decode kernels can read this weight where it is (a QuantTensor or a float
+    tensor; QuantRows / QuantCols go part by part or permute their input first)."""
+    if _K is None or not isinstance(weight, (QuantTensor, torch.Tensor)):
         return False
     t = weight.raw if isinstance(weight, QuantTensor) else weight
     return t.device.type == "cpu" and t.is_contiguous() and (knows(weight.encoding) if isinstance(weight, QuantTensor)

@@ -8,7 +8,7 @@ are GGUF's, byte for byte, so an expert imported from a GGUF file keeps its byte
 ``gguf.quants`` is an independent reference dequantizer. Everything here is torch only (runs on
 CPU and CUDA) and knows nothing of packs, tiers or models.
 """
-from .base import ENCODINGS, Encoding, QuantRows, QuantTensor, get_encoding, row_encoding_error
+from .base import ENCODINGS, Encoding, QuantCols, QuantRows, QuantTensor, get_encoding, row_encoding_error
 from . import floats, legacy, kquants, iquants, mxfp4  # noqa: F401  (registers the encodings)
 
-__all__ = ["ENCODINGS", "Encoding", "QuantRows", "QuantTensor", "get_encoding", "row_encoding_error"]
+__all__ = ["ENCODINGS", "Encoding", "QuantCols", "QuantRows", "QuantTensor", "get_encoding", "row_encoding_error"]

@@ -129,3 +129,36 @@ class QuantRows:
     @property
     def encodings(self) -> tuple:
         return tuple(p.encoding.name for p in self.parts)
+
+
+@dataclass(frozen=True)
+class QuantCols:
+    """A matrix ``[rows, cols]`` stored encoded with its columns in another order (a GGUF converter
+    may reorder a matrix's input columns, which block encodings cannot move): column j of
+    ``inner`` is column ``order[j]`` of the matrix, so ``W @ x = inner @ x[order]``. Products
+    permute the input, then run on the rows as stored (exact)."""
+
+    inner: QuantTensor
+    order: torch.Tensor      # int64 [cols]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.inner.dequantize(dtype).index_select(1, torch.argsort(self.order).to(self.device))
+
+    def to(self, device) -> "QuantCols":
+        return QuantCols(self.inner.to(device), self.order.to(device))
+
+    @property
+    def shape(self) -> tuple:
+        return self.inner.shape
+
+    @property
+    def encoding(self):
+        return self.inner.encoding
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes

@@ -1,4 +1,4 @@
-"""Pack format v2: the manifest, the record table and the checksum index. Pure: no file I/O.
+"""Pack format v3: the manifest, the record table and the checksum index. Pure: no file I/O.
 
 A pack directory holds
 
@@ -12,7 +12,9 @@ A pack directory holds
 
 Every tensor carries an ``encoding`` (see :mod:`lean_qwenflash.quant`: f32, f16, bf16, q8_0, q4_0,
 q4_k, q5_k, q6_k) and its stored ``nbytes``; a record may mix encodings. Version 1 packs (float
-records described by a torch ``dtype``) are still read: they parse into the same structures.
+records described by a torch ``dtype``) are still read: they parse into the same structures. A pack
+is written as the oldest version that holds it: v3 only when a resident matrix keeps a column order
+(``col_order``), which a v2 reader would ignore and compute wrong, so it refuses v3 instead.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from ..quant import ENCODINGS, get_encoding
 from ..quant.floats import BY_DTYPE_NAME
 
 FORMAT_MAGIC = "lean-qwenflash-pack"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)      # v1: float records described by "dtype"; read as the same structures
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)   # v1: float records described by "dtype"; read as the same structures
+COL_ORDER_VERSION = 3           # the first version with resident col_order matrices
 ALIGNMENT = 4096
 IDX_MAGIC = b"LQFIDX\x00\x01"
 IDX_VERSION = 1
@@ -71,6 +74,10 @@ class TensorSlot:
     def nbytes(self) -> int:
         return get_encoding(self.encoding).nbytes(self.shape)
 
+    def written_version(self) -> int:
+        """The oldest format version that holds this pack (what ``to_json`` writes)."""
+        return COL_ORDER_VERSION if any(t.col_order for t in self.resident) else 2
+
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "encoding": self.encoding,
                 "nbytes": self.nbytes, "offset": self.offset}
@@ -87,6 +94,10 @@ class LayerRecords:
 
     def offset(self, expert_id: int) -> int:
         return self.base_offset + expert_id * self.record_bytes
+
+    def written_version(self) -> int:
+        """The oldest format version that holds this pack (what ``to_json`` writes)."""
+        return COL_ORDER_VERSION if any(t.col_order for t in self.resident) else 2
 
     def to_json(self) -> dict:
         return {
@@ -115,19 +126,23 @@ def layout_layer(layer_idx: int, num_experts: int, hidden: int, intermediate: in
 
 MIXED = "mixed"          # a resident matrix whose row groups have different encodings (see parts)
 ROW_ORDER_SUFFIX = ".row_order"
+COL_ORDER_SUFFIX = ".col_order"
 
 
 @dataclass(frozen=True)
 class ResidentTensor:
     """One tensor of resident.safetensors as the manifest describes it. A ``mixed`` matrix is
     stored as its parts' block rows one after another (uint8, flat) plus an int64 tensor
-    ``{name}.row_order``: row i of the matrix is stacked row row_order[i]."""
+    ``{name}.row_order``: row i of the matrix is stacked row row_order[i]. A block-encoded matrix
+    with ``col_order`` (v3) has an int64 tensor ``{name}.col_order`` [cols]: stored column j is
+    column col_order[j] of the matrix (``quant.QuantCols``)."""
 
     name: str
     shape: tuple
     encoding: str
     nbytes: int
     parts: tuple = ()      # ((encoding, rows), ...) for MIXED
+    col_order: bool = False
 
     def part_bytes(self) -> list:
         return [(enc, rows * get_encoding(enc).row_bytes(int(self.shape[-1]))) for enc, rows in self.parts]
@@ -136,6 +151,8 @@ class ResidentTensor:
         out = {"name": self.name, "shape": list(self.shape), "encoding": self.encoding, "nbytes": self.nbytes}
         if self.parts:
             out["parts"] = [{"encoding": e, "rows": r} for e, r in self.parts]
+        if self.col_order:
+            out["col_order"] = True
         return out
 
 
@@ -185,9 +202,13 @@ class Manifest:
     def num_records(self) -> int:
         return sum(l.num_experts for l in self.layers)
 
+    def written_version(self) -> int:
+        """The oldest format version that holds this pack (what ``to_json`` writes)."""
+        return COL_ORDER_VERSION if any(t.col_order for t in self.resident) else 2
+
     def to_json(self) -> dict:
         return {
-            "format": FORMAT_MAGIC, "version": FORMAT_VERSION, "alignment": ALIGNMENT,
+            "format": FORMAT_MAGIC, "version": self.written_version(), "alignment": ALIGNMENT,
             "architecture": self.architecture, "family": self.family, "created_by": self.created_by,
             "experts_file": EXPERTS, "experts_bytes": self.experts_bytes,
             "checksum": {"algorithm": "crc32c", "file": EXPERTS_IDX},
@@ -236,7 +257,7 @@ def parse_manifest(doc, where: str) -> Manifest:
             architecture=str(doc["architecture"]), family=str(doc["family"]), config=dict(doc["config"]),
             layers=layers, experts_bytes=int(doc["experts_bytes"]),
             tokenizer_files=list(doc.get("tokenizer_files", [])), created_by=str(doc.get("created_by", "")),
-            resident=[_parse_resident(t, bad) for t in doc.get("resident", [])],
+            resident=[_parse_resident(t, version, bad) for t in doc.get("resident", [])],
             notes=[str(n) for n in doc.get("notes", [])], version=version,
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -250,10 +271,16 @@ def parse_manifest(doc, where: str) -> Manifest:
     return manifest
 
 
-def _parse_resident(t: dict, bad) -> ResidentTensor:
+def _parse_resident(t: dict, version: int, bad) -> ResidentTensor:
     shape = tuple(int(d) for d in t["shape"])
     parts = tuple((str(p["encoding"]), int(p["rows"])) for p in t.get("parts", []))
-    r = ResidentTensor(str(t["name"]), shape, str(t["encoding"]), int(t["nbytes"]), parts)
+    col_order = t.get("col_order", False)
+    r = ResidentTensor(str(t["name"]), shape, str(t["encoding"]), int(t["nbytes"]), parts, col_order is True)
+    if col_order not in (True, False) or (r.col_order and (version < COL_ORDER_VERSION or len(shape) != 2 or parts
+                                                           or r.encoding not in ENCODINGS
+                                                           or get_encoding(r.encoding).is_float)):
+        raise bad(f"resident tensor {r.name}: col_order {col_order!r} is not a v{COL_ORDER_VERSION} "
+                  f"block-encoded matrix's (version {version}, encoding {r.encoding}, shape {list(shape)})")
     if r.encoding == MIXED:
         unknown = [e for e, _ in parts if e not in ENCODINGS]
         if not parts or unknown or sum(n for _, n in parts) != shape[0] or \

@@ -20,10 +20,10 @@ import torch
 
 from lean_qwenflash.families import family_for_gguf
 
-from ..quant import ENCODINGS, QuantRows, QuantTensor, get_encoding
+from ..quant import ENCODINGS, QuantCols, QuantRows, QuantTensor, get_encoding
 from .checkpoint import ConfigExperts
 from .gguf_io import GGUFError, field_value, gguf_shards, is_gguf, open_gguf  # noqa: F401  (also this module's API)
-from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, Split, Values, gguf_to_hf_tensor,
+from .gguf_names import (BY_GGUF_ARCH, EXPERT_KEYS, GLOBAL_TENSORS, Joined, PermuteCols, Split, Values, gguf_to_hf_tensor,
                          is_alternative, split_layer_name, transform_for)
 
 # GGML type number -> our encoding name
@@ -322,8 +322,9 @@ class GGUFCheckpoint(ConfigExperts):
         order = torch.argsort(tr.perm(self.config)) if tr is not None else torch.arange(shape[0])
         return QuantRows(tuple(parts), order, shape)
 
-    def get_encoded(self, key: str) -> QuantTensor:
-        """A block-quantized matrix as stored (rows permuted into HF order where the table says so)."""
+    def get_encoded(self, key: str):
+        """A block-quantized matrix as stored: a QuantTensor (rows permuted into HF order where the
+        table says so), or a QuantCols over the stored rows where the table reorders columns."""
         enc = self.stored_encoding(key)
         shape = self._stored_shape(key)
         if enc is None or get_encoding(enc).is_float or len(shape) != 2:
@@ -332,6 +333,8 @@ class GGUFCheckpoint(ConfigExperts):
         raw = torch.cat([torch.from_numpy(self._bytes(t).copy()).view(-1, e.row_bytes(shape[1]))
                          for t in self._parts(key)])
         tr = self._transform(key)
+        if isinstance(tr, PermuteCols):
+            return QuantCols(QuantTensor(raw, e, shape), tr.perm(self.config).to(torch.int64))
         if isinstance(tr, Values):
             raise GGUFError(f"{key}: a value transform needs float data, but it is {enc}")
         if tr is not None:

@@ -4,7 +4,7 @@ importer (:mod:`.gguf_file`) and exporter (:mod:`.gguf_export`) use.
 Each family that llama.cpp runs declares its own GGUF architecture name, tensor-name table,
 transforms and config keys in its file (``FAMILY.gguf``, a ``GGUFArch``:
 ``lean_qwenflash/families/*.py``), written in the vocabulary of
-:mod:`lean_qwenflash.families.gguf` (the transform types ``Permute``/``Values``/``Joined``/``Split``, the
+:mod:`lean_qwenflash.families.gguf` (the transform types ``Permute``/``Values``/``PermuteCols``/``Joined``/``Split``, the
 common attention/norm names, the common config keys, the rope-interleave permutation), which this
 module re-exports. The lookups below ask the family registry, which imports a family only when its
 declaration is needed. (The store imports the families, never the other way round.)
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Optional
 
 from lean_qwenflash.families import RegistryView, gguf_architectures, gguf_families
-from lean_qwenflash.families.gguf import (ATTENTION, COMMON_KEYS, GGUFArch, Joined, Permute, Split, Values, head_dim,
+from lean_qwenflash.families.gguf import (ATTENTION, COMMON_KEYS, GGUFArch, Joined, Permute, PermuteCols, Split, Values, head_dim,
                                           plus_one, rope_interleave)
 
 GLOBAL_TENSORS = {
@@ -97,5 +97,5 @@ def transform_for(arch: GGUFArch, hf_name: str):
 
 
 __all__ = ["ARCHS", "ATTENTION", "BY_GGUF_ARCH", "COMMON_KEYS", "EXPERT_KEYS", "GGUFArch", "GLOBAL_TENSORS", "Joined",
-           "Permute", "Split", "Values", "gguf_arch", "gguf_to_hf_tensor", "head_dim", "hf_to_gguf_tensor", "is_alternative",
+           "Permute", "PermuteCols", "Split", "Values", "gguf_arch", "gguf_to_hf_tensor", "head_dim", "hf_to_gguf_tensor", "is_alternative",
            "plus_one", "rope_interleave", "split_layer_name", "transform_for"]

@@ -17,7 +17,7 @@ import torch
 from .. import __version__
 from ..io_engine import crc32c
 from . import format as fmt
-from ..quant import get_encoding
+from ..quant import QuantCols, get_encoding
 from ..quant.floats import BY_DTYPE_NAME, DTYPE_NAME
 from ..quant.presets import FLOAT_PRESETS, check_preset, expert_encodings, fallback, resident_encoding, with_fallback
 from .checkpoint import (TORCH_DTYPES, TORCH_NAMES, CheckpointError, HFCheckpoint,
@@ -85,7 +85,8 @@ def _stored_resident(ckpt) -> tuple[dict, list]:
     Block-quantized matrices keep their encoding (every 2-D resident weight of our families is a
     linear layer's or the embedding table, which the kernels read encoded; the loader checks);
     types we have no kernel for, and matrices a value transform must change, are dequantized to
-    f32, and said."""
+    f32, and said. A matrix whose columns the file reorders (``PermuteCols``) keeps its rows as
+    stored and the column order (``fmt.COL_ORDER_SUFFIX``)."""
     out, dequantized = {}, {}
     for canon, k in ckpt.resident_keys.items():
         enc = ckpt.stored_encoding(k)
@@ -106,8 +107,11 @@ def _stored_resident(ckpt) -> tuple[dict, list]:
 
 
 def transform_kind(ckpt, canon: str):
-    from .gguf_names import Values, transform_for
-    return "values" if isinstance(transform_for(ckpt.arch, canon), Values) else None
+    """"cols" for a column permutation (kept encoded, with its order), "values" for another float
+    transform (needs float data), else None."""
+    from .gguf_names import PermuteCols, Values, transform_for
+    tr = transform_for(ckpt.arch, canon)
+    return "cols" if isinstance(tr, PermuteCols) else "values" if isinstance(tr, Values) else None
 
 
 def pack(hf_dir, out_dir, dtype: str | None = None, force: bool = False, progress: bool = True,
@@ -241,6 +245,8 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
         else:
             entries.append((canon, (shape[0], get_encoding(enc).row_bytes(shape[1])), torch.uint8) if enc
                            else (canon, shape, resident_float.get(canon, ckpt.dtype(k))))
+            if as_stored and enc and transform_kind(ckpt, canon) == "cols":
+                entries.append((canon + fmt.COL_ORDER_SUFFIX, (shape[1],), torch.int64))
     writer = StreamingSafetensorsWriter(tmp / fmt.RESIDENT, entries)
     resident_meta = []
     dtypes = {name: dt for name, _, dt in entries}
@@ -255,7 +261,14 @@ def _write_pack(ckpt, src, tmp, out_dir, layers, offset, notes, resident, quant,
                                                     tuple((p.encoding.name, p.shape[0]) for p in rows.parts)))
             continue
         if as_stored and enc:
-            data = ckpt.get_encoded(k).raw        # the file's rows, unchanged (permuted where the table says)
+            q = ckpt.get_encoded(k)               # the file's rows, unchanged (permuted where the table says)
+            if isinstance(q, QuantCols):          # ... and the column order they keep
+                writer.write(canon, q.inner.raw)
+                writer.write(canon + fmt.COL_ORDER_SUFFIX, q.order)
+                bar.update(ckpt.nbytes(k))
+                resident_meta.append(fmt.ResidentTensor(canon, tuple(q.shape), enc, q.nbytes, col_order=True))
+                continue
+            data = q.raw
         else:
             t = ckpt.get(k)
             data = get_encoding(enc).quantize(t).contiguous() if enc else t.to(dt)

@@ -14,7 +14,7 @@ import torch
 
 from ..io_engine import AlignedBuffer, IoError, crc32c, open_engine
 from . import format as fmt
-from ..quant import QuantRows, QuantTensor, get_encoding
+from ..quant import QuantCols, QuantRows, QuantTensor, get_encoding
 
 
 class ChecksumError(fmt.StoreError):
@@ -209,8 +209,8 @@ class ExpertStore:
         out = {}
         for k, v in tensors.items():
             q = described.get(k)
-            if k.endswith(fmt.ROW_ORDER_SUFFIX) and k[:-len(fmt.ROW_ORDER_SUFFIX)] in described:
-                continue           # consumed with its mixed matrix
+            if k.endswith((fmt.ROW_ORDER_SUFFIX, fmt.COL_ORDER_SUFFIX)) and k.rsplit(".", 1)[0] in described:
+                continue           # consumed with its matrix
             if q is not None and q.encoding == fmt.MIXED:     # row groups in different encodings
                 parts, at = [], 0
                 for (enc, rows), (_, n) in zip(q.parts, q.part_bytes()):
@@ -219,6 +219,14 @@ class ExpertStore:
                 out[k] = QuantRows(tuple(parts), tensors[k + fmt.ROW_ORDER_SUFFIX], tuple(q.shape))
             elif q is not None and not get_encoding(q.encoding).is_float:
                 out[k] = QuantTensor(v, get_encoding(q.encoding), tuple(q.shape))   # block rows, for the kernels
+                if q.col_order:
+                    order = tensors.get(k + fmt.COL_ORDER_SUFFIX)
+                    if order is None or tuple(order.shape) != (q.shape[1],) or order.dtype != torch.int64 or \
+                            not torch.equal(torch.sort(order.cpu()).values, torch.arange(q.shape[1])):
+                        raise fmt.StoreError(f"{self.path}: resident tensor {k} says col_order, but "
+                                             f"{k}{fmt.COL_ORDER_SUFFIX} is missing or not a permutation of its "
+                                             f"{q.shape[1]} columns; {fmt.REPACK_HINT}")
+                    out[k] = QuantCols(out[k], order)
             else:
                 out[k] = v.to(dtype) if dtype is not None else v
         return out

@@ -466,7 +466,6 @@ class AttentionStep:
         if type(attn) not in (Attention, QueryGatedAttention, SinkAttention) or policy.kernel_mode != "fast" \
                 or policy.kv_cache_dtype != "f32" or not native.available() or attn.sliding_window is not None:
             return None
-        from lean_qwenflash.quant.base import QuantRows
         weights = []
         for i, m in enumerate((attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)):
             if m.qweight is not None:
@@ -475,7 +474,7 @@ class AttentionStep:
                 w = m.weight        # (as kernels.linears and Linear.forward take float weights)
             else:
                 return None
-            if isinstance(w, QuantRows) or not native.supports(w) or (m.bias is not None and not native.is_f32(m.bias)):
+            if not native.supports(w) or (m.bias is not None and not native.is_f32(m.bias)):
                 return None
             weights.append((w, m))
         hidden, dim = attn.q_proj.in_features, attn.head_dim

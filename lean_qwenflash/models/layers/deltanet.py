@@ -195,20 +195,24 @@ class DeltaNetStep:
         policy = net.ctx.policy
         if type(net) is not GatedDeltaNet or policy.kernel_mode != "fast" or not native.available():
             return None
-        from lean_qwenflash.quant.base import QuantRows
+        from lean_qwenflash.quant.base import QuantCols
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a") if net.split_projections else \
             ("in_proj_qkvz", "in_proj_ba")
         mods = [getattr(net, n) for n in names] + ([] if net.split_projections else [None, None]) + [net.out_proj]
-        weights = []
+        weights, out_order = [], None
         for m in mods:
             if m is None:
                 weights.append(None)
                 continue
             w = m.qweight if m.qweight is not None else m.weight
-            if isinstance(w, QuantRows) or not native.supports(w) or m.bias is not None \
-                    or (m.qweight is None and w.dtype != torch.float32):
+            if m is net.out_proj and isinstance(w, QuantCols):    # its input permuted, natively
+                w, out_order = w.inner, w.order
+            if not native.supports(w) or m.bias is not None or (m.qweight is None and w.dtype != torch.float32):
                 return None
             weights.append(w)
+        if out_order is not None and not (out_order.dtype == torch.int64 and out_order.device.type == "cpu"
+                                          and out_order.is_contiguous()):
+            return None
         in_norm = native_norm_args(norm, net.out_proj.out_features)
         tensors = (net.conv1d.weight, net.A_log, net.dt_bias, net.norm.weight)
         if in_norm is None or not all(native.is_f32(t) for t in tensors) or net.conv1d.bias is not None:
@@ -222,8 +226,9 @@ class DeltaNetStep:
             enc=[0 if w is None else native.encoding_id(w) for w in weights],
             rows=[0 if m is None else m.out_features for m in mods], conv=conv.data_ptr(),
             a_log=net.A_log.data_ptr(), dt_bias=net.dt_bias.data_ptr(), out_norm=net.norm.weight.data_ptr(),
-            out_eps=float(net.norm.eps))
-        return cls(net, handle, [w for w in weights if w is not None] + [in_norm[0], conv, *tensors])
+            out_eps=float(net.norm.eps), out_order=0 if out_order is None else out_order.data_ptr())
+        kept = [w for w in weights if w is not None] + [in_norm[0], conv, *tensors]
+        return cls(net, handle, kept + ([] if out_order is None else [out_order]))
 
     def __call__(self, x: torch.Tensor, rope, state) -> Optional[torch.Tensor]:
         """x + the sub-block of x [1, 1, H] continuing ``state`` (a DeltaNetState, updated), or None."""
