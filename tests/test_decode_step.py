@@ -174,6 +174,35 @@ def test_fused_deltanet_step_follows_the_separate_calls(family, quant, packs, mo
         assert all(layer.mixer_step() is None for layer in layers)
 
 
+@pytest.mark.parametrize("decay", ["mild", "strong"])
+@pytest.mark.parametrize("tokens", [1, 37, 64, 100, 256])
+def test_chunked_delta_rule_is_the_token_by_token_rule(tokens, decay):
+    """The prefill rule (all chunks' intra-chunk parts at once, the last chunk padded; decays
+    below e^DECAY_FLOOR dropped) against the one-token rule applied token by token, in fp64: within
+    1e-10; in fp32 against that fp64 reference, within 1e-5. "strong": per-token log-decays down to
+    -20, so a chunk's cumulative decay passes the floor many times over (as a random Qwen3.5-shaped
+    model's do)."""
+    torch.manual_seed(tokens)
+    heads, dk, dv = 3, 16, 8
+    q = torch.nn.functional.normalize(torch.randn(1, heads, tokens, dk, dtype=torch.float64), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(1, heads, tokens, dk, dtype=torch.float64), dim=-1)
+    v = torch.randn(1, heads, tokens, dv, dtype=torch.float64)
+    g = -torch.rand(1, heads, tokens, dtype=torch.float64) * (20.0 if decay == "strong" else 0.3)
+    beta = torch.rand(1, heads, tokens, dtype=torch.float64)
+    start = torch.randn(1, heads, dk, dv, dtype=torch.float64)
+    want, state = [], start.clone()
+    for t in range(tokens):
+        want.append(deltanet.recurrent_gated_delta_rule(q[:, :, t], k[:, :, t], v[:, :, t], g[:, :, t],
+                                                         beta[:, :, t], state))
+    want = torch.stack(want, dim=2)
+    out, final = deltanet.chunked_gated_delta_rule(q, k, v, g, beta, start.clone())
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(final, state, rtol=0, atol=1e-10)
+    out, final = deltanet.chunked_gated_delta_rule(*(t.float() for t in (q, k, v, g, beta, start)))
+    torch.testing.assert_close(out, want.float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(final, state.float(), rtol=0, atol=1e-5)
+
+
 def test_native_deltanet_step_refuses_shapes_that_do_not_fit():
     w, ones = torch.zeros(256, 64), torch.ones(1024)
     args = dict(hidden=64, k_heads=2, v_heads=4, k_dim=16, v_dim=12, conv_kernel=4, split=True,
