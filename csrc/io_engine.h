@@ -127,7 +127,10 @@ std::unique_ptr<Backend> make_uring_backend(Engine& e, int fd, unsigned queue_de
 bool uring_compiled();
 void force_uring_failure(bool on);  // test switch: make uring setup fail as in a locked-down container
 
-// Aligned, zeroed host memory exposed to Python through the buffer protocol.
+constexpr uint64_t kHugePage = 2ull << 20;   // x86-64 transparent huge page
+
+// Aligned, zeroed host memory exposed to Python through the buffer protocol (huge-page backed
+// where the kernel allows, from kHugePage up).
 class AlignedBuffer {
    public:
     explicit AlignedBuffer(uint64_t nbytes, uint64_t alignment = kAlignment);

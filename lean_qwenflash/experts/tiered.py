@@ -282,7 +282,7 @@ class TieredExperts(ExpertProvider):
 
     def _begin(self, layer_idx: int, expert_ids: Sequence[int]) -> list[int]:
         """An acquire's start: the ids as ints, traced and counted; finished speculative reads reaped."""
-        expert_ids = [int(e) for e in expert_ids]
+        expert_ids = expert_ids.tolist() if isinstance(expert_ids, torch.Tensor) else [int(e) for e in expert_ids]
         if self.observer is not None:               # routing trace (experts/trace.py)
             self.observer(layer_idx, expert_ids)
         self.stats.layers[layer_idx].lookups += len(expert_ids)
