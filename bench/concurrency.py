@@ -61,7 +61,7 @@ def worker(args) -> dict:
     rows = []
     with Runtime.open(cfg, resident_experts=args.tier == "resident") as rt:
         vocab = rt.model.model.embed_tokens.num_embeddings
-        g = Generator(rt.model, cfg.generation.prefill_chunk_tokens)
+        g = Generator(rt.model, rt.prefill_chunk_tokens)
         rng = random.Random(0)
         prompts = [[rng.randrange(vocab) for _ in range(24 + 4 * i)] for i in range(max(args.streams))]
         # warm the code paths (not the caches: each measurement starts from a fresh prefill)

@@ -215,10 +215,12 @@ def worker_ours(spec: dict) -> dict:
     resident = spec["setting"] in ("warm", "nice19", "nice0")
     extra = {} if resident else {"host_cache_bytes": int(spec["host_cache_gib"] * 2**30), "prefetch": True}
     cfg = load_config(model=spec["path"], dtype="float32", expert_kernels="fast", **extra)
-    sizes, stream, chunk = spec["prompt_sizes"], spec["stream"], cfg.generation.prefill_chunk_tokens
+    sizes, stream = spec["prompt_sizes"], spec["stream"]
     out = {"prefill_s": {}}
     with Runtime.open(cfg, resident_experts=resident) as rt, torch.inference_mode():
-        model = rt.model
+        # (the runtime's chunk; a baseline checkout from before it had one: its config's)
+        model, chunk = rt.model, getattr(rt, "prefill_chunk_tokens", cfg.generation.prefill_chunk_tokens)
+        out["chunk"] = chunk
 
         def prefill(n):
             state, ids = new_state(model), torch.tensor([spec["prompt"][:n]])

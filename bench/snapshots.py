@@ -54,7 +54,7 @@ def main() -> int:
     shutil.rmtree(args.dir, ignore_errors=True)
     rows = []
     with Runtime.open(cfg) as rt:
-        gen = Generator(rt.model, cfg.generation.prefill_chunk_tokens)
+        gen = Generator(rt.model, rt.prefill_chunk_tokens)
         context = int(rt.store.config.get("max_position_embeddings") or 32768)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(10, gen.vocab_size, (max(args.lengths) + 1,), generator=g).tolist()

@@ -141,7 +141,7 @@ def cmd_generate(args) -> int:
         first = None
         n = 0
         try:
-            for token in Generator(rt.model, cfg.generation.prefill_chunk_tokens).generate(
+            for token in Generator(rt.model, rt.prefill_chunk_tokens).generate(
                     prompt, params, max_tokens, stop_token_ids=stop):
                 if first is None:
                     first = time.perf_counter()
@@ -183,7 +183,7 @@ def _rank_choices(args, rt, cfg, prompt: list[int], choices: list[str]) -> int:
             [{"role": "user", "content": args.prompt}], enable_thinking=args.think)
     conts = [continuation_ids(tok.encode, prompt, text, c) for c in choices]
     t0 = time.perf_counter()
-    scores = Generator(rt.model, cfg.generation.prefill_chunk_tokens).score(prompt, conts)
+    scores = Generator(rt.model, rt.prefill_chunk_tokens).score(prompt, conts)
     seconds = time.perf_counter() - t0
     print(f"{'rank':>4}  {'total':>9}  {'mean':>9}  {'tokens':>6}  choice")
     for rank, s in enumerate(sorted(scores, key=lambda s: s.total, reverse=True), 1):

@@ -59,7 +59,7 @@ class GenerationConfig:
     top_p: float = 0.95
     top_k: int = 0
     min_p: float = 0.0
-    prefill_chunk_tokens: int = 256
+    prefill_chunk_tokens: int = 0       # tokens per prefill forward; 0: automatic (generate/budget.py)
 
 
 @dataclass
@@ -136,9 +136,12 @@ class RuntimeConfig:
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
                 raise ConfigError(f"server.{key}: must be a positive number of seconds, got {seconds!r}")
         gen = self.generation
-        for key in ("max_tokens", "prefill_chunk_tokens"):
-            if getattr(gen, key) < 1:
-                raise ConfigError(f"generation.{key}: must be >= 1, got {getattr(gen, key)}")
+        if gen.max_tokens < 1:
+            raise ConfigError(f"generation.max_tokens: must be >= 1, got {gen.max_tokens}")
+        if gen.prefill_chunk_tokens < 0:
+            raise ConfigError(f"generation.prefill_chunk_tokens: must be >= 1, or 0 for the automatic chunk "
+                              f"(the longest that fits 512 MiB of activations, 256 to 2048 tokens); "
+                              f"got {gen.prefill_chunk_tokens}")
         # Sampling values are checked by the rules SamplingParams uses (common.SAMPLING_RULES).
         try:
             check_sampling(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, min_p=gen.min_p)

@@ -70,7 +70,8 @@ def context_lines(config: dict, cfg, available: int, where: str, caches: int) ->
     cost, kv = budget.cost, budget.cost.kv_dtype
     lines = [f"context:       {cost.per_token} bytes per token (KV as {kv}), {format_size(cost.fixed)} per sequence "
              f"(recurrent state, windows), {format_size(cost.working_per_token)} per token while a "
-             f"{cost.chunk}-token prefill chunk runs",
+             f"{cost.chunk}-token prefill chunk runs (its activations: "
+             f"{format_size(cost.activation_per_token * cost.chunk)}; generation.prefill_chunk_tokens)",
              f"               {budget.fit_tokens} tokens fit (the model's context: {budget.model_context}) in "
              f"{format_size(budget.budget_bytes)} of {where}: {format_size(available)} available less "
              f"{format_size(caches)} of caches and a {format_size(MARGIN_BYTES)} margin"]

@@ -23,7 +23,7 @@ def chat_loop(rt, params: SamplingParams, max_tokens: int, think: bool = False, 
     if tok is None or tok.chat_template is None:
         raise ValueError(f"the pack {rt.store.path} has no tokenizer with a chat template; use `generate --prompt-ids`")
     cache = PrefixCache(rt.cfg.server.prefix_cache_bytes)
-    gen = Generator(rt.model, rt.cfg.generation.prefill_chunk_tokens, cache)
+    gen = Generator(rt.model, rt.prefill_chunk_tokens, cache)
     messages = [{"role": "system", "content": system}] if system else []
     # No tools here: the model may not call one (as the server does when none are offered).
     tool_id = tok.token_to_id(TOOL_OPEN)

@@ -104,6 +104,14 @@ class Runtime:
             tokenizer = Tokenizer.from_dir(cfg.model)
         return cls(cfg, store, model, provider, tokenizer)
 
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Tokens per prefill forward: ``generation.prefill_chunk_tokens``, or (0) the automatic
+        chunk for this model's shape (``generate.budget.prefill_chunk_tokens``). Resident and
+        streamed runs use the same, so their outputs stay equal."""
+        from .generate.budget import prefill_chunk_tokens
+        return prefill_chunk_tokens(self.model.config, self.cfg.generation.prefill_chunk_tokens)
+
     def stats(self) -> dict:
         if isinstance(self.provider, TieredExperts):
             return self.provider.stats.snapshot()

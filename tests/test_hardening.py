@@ -4,6 +4,7 @@ longer than memory holds (context budget: generate/budget.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -318,6 +319,55 @@ def test_context_cost_is_what_the_state_holds(family):
     assert held(state) == cost.per_token * 128 + cost.fixed, (held(state), cost)
     assert held(state.clone()) == cost.per_token * 100 + cost.fixed
     print(family, cost)
+
+
+def test_the_automatic_prefill_chunk_follows_the_model_shape(tiny_runtime):  # noqa: F811
+    """generation.prefill_chunk_tokens 0 (the default): the longest multiple of 256 tokens, at most
+    2048, whose activations fit 512 MiB: 2048 for a small model, less for wide ones, never under
+    256; a configured chunk wins; the Runtime, its Generator and the budget use the same one, and a
+    streamed runtime the same as a resident one (their outputs stay equal); peak_bytes counts the
+    chunk's activations; a negative setting is refused by name."""
+    from lean_qwenflash.config import ConfigError
+    from lean_qwenflash.generate import Generator
+    from lean_qwenflash.generate.budget import (CHUNK_WORKING_BYTES, chunk_activation_bytes, context_cost,
+                                                prefill_chunk_tokens, run_budget)
+    from lean_qwenflash.runtime import Runtime
+
+    def qwen(hidden, width, top_k):
+        return {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": hidden, "moe_intermediate_size": width,
+                "num_experts_per_tok": top_k, "num_experts": 128, "num_hidden_layers": 4, "intermediate_size": 64}
+    chunks = {}
+    for shape in ((1024, 512, 8), (2048, 768, 8), (4096, 1536, 8), (7168, 2048, 8), (16384, 8192, 16)):
+        config = qwen(*shape)
+        chunk, per_token = prefill_chunk_tokens(config), chunk_activation_bytes(config)
+        chunks[shape] = chunk
+        assert chunk % 256 == 0 and 256 <= chunk <= 2048
+        assert chunk == 256 or (chunk * per_token <= CHUNK_WORKING_BYTES
+                                and (chunk == 2048 or (chunk + 256) * per_token > CHUNK_WORKING_BYTES)), shape
+        assert prefill_chunk_tokens(config, 100) == 100
+    assert chunks[(1024, 512, 8)] == 2048 and chunks[(16384, 8192, 16)] == 256
+    assert list(chunks.values()) == sorted(chunks.values(), reverse=True)
+
+    rt, cfg = tiny_runtime
+    auto = prefill_chunk_tokens(rt.model.config)
+    assert cfg.generation.prefill_chunk_tokens == 0 and rt.prefill_chunk_tokens == auto
+    assert Generator(rt.model).prefill_chunk_tokens == auto
+    budget = run_budget(rt.model, cfg, 4096, 8 * 1024**3, "RAM")
+    assert budget.cost.chunk == auto and budget.cost.activation_per_token == chunk_activation_bytes(rt.model.config)
+    cost = context_cost(rt.model, "float32", 64)
+    plain = copy.copy(cost)
+    plain.activation_per_token = 0
+    for tokens in (10, 64, 1000):
+        assert cost.peak_bytes(tokens) - plain.peak_bytes(tokens) == cost.activation_per_token * min(tokens, 64)
+    with Runtime.open(dataclasses.replace(cfg, generation=dataclasses.replace(cfg.generation, prefill_chunk_tokens=48)),
+                      resident_experts=True) as resident:
+        assert resident.prefill_chunk_tokens == 48
+    with Runtime.open(cfg, resident_experts=True) as resident:
+        assert resident.prefill_chunk_tokens == rt.prefill_chunk_tokens
+    bad = copy.deepcopy(cfg)
+    bad.generation.prefill_chunk_tokens = -1
+    with pytest.raises(ConfigError, match="generation.prefill_chunk_tokens: must be >= 1, or 0 for the automatic"):
+        bad.validate()
 
 
 def test_kv_peak_slots_follows_the_cache_growth():

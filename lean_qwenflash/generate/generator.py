@@ -22,6 +22,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
+from lean_qwenflash.generate.budget import prefill_chunk_tokens as automatic_chunk
 from lean_qwenflash.generate.prefix import PrefixCache
 from lean_qwenflash.generate.sampling import Sampler, SamplingParams
 from lean_qwenflash.generate.state import ModelState, new_state
@@ -395,24 +396,26 @@ class Generator:
     """Runs sequences on a model built by ``lean_qwenflash.models``.
 
     ``prefill_chunk_tokens`` bounds the activations of one prefill forward (long prompts are fed
-    in chunks that continue the same state). ``prefix_cache`` (optional) enables prefix reuse.
+    in chunks that continue the same state); 0: the automatic chunk for the model's shape
+    (``budget.prefill_chunk_tokens``, what ``Runtime.prefill_chunk_tokens`` gives by default).
+    ``prefix_cache`` (optional) enables prefix reuse.
     """
 
     block_tokens = 64       # while generating, a snapshot is kept at the last multiple of this
     scoring_logits_bytes = 256 << 20    # a forward whose every position's logits are kept holds at most this
 
-    def __init__(self, model, prefill_chunk_tokens: int = 512, prefix_cache: Optional[PrefixCache] = None):
-        if prefill_chunk_tokens < 1:
-            raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1")
+    def __init__(self, model, prefill_chunk_tokens: int = 0, prefix_cache: Optional[PrefixCache] = None):
+        if prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens={prefill_chunk_tokens} must be >= 1 (0: automatic)")
         self.model = model
-        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens or automatic_chunk(model.config)
         # None when there is no cache or it is off (capacity 0): one test everywhere below
         self.prefix_cache = prefix_cache if prefix_cache is not None and prefix_cache.enabled else None
         embed = model.model.embed_tokens
         self.device = (embed.qweight.raw if embed.qweight is not None else embed.weight).device
         self.vocab_size = embed.num_embeddings
         # tokens per forward when every position's logits are kept (echo, scoring): fp32 [T, V] bounded
-        self.scoring_chunk_tokens = max(1, min(prefill_chunk_tokens,
+        self.scoring_chunk_tokens = max(1, min(self.prefill_chunk_tokens,
                                                self.scoring_logits_bytes // (8 * self.vocab_size)))
         self._token_buf = torch.empty(1, 1, dtype=torch.long, device=self.device)
 

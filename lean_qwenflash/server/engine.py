@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from lean_qwenflash.generate import Generation, Generator, PrefixCache, SamplingParams, Steering, TokenHook
-from lean_qwenflash.generate.budget import ContextBudget, available_memory, run_budget
+from lean_qwenflash.generate.budget import ContextBudget, available_memory, prefill_chunk_tokens, run_budget
 from lean_qwenflash.generate.snapshots import SnapshotDir
 
 log = logging.getLogger("lean_qwenflash.server")
@@ -182,7 +182,7 @@ def snapshot_fingerprint(runtime, cfg) -> str:
     numerics = {"dtype": cfg.dtype, "device": cfg.device, "expert_kernels": cfg.expert_kernels,
                 "cpu_isa": cfg.cpu_isa, "resolved_isa": getattr(policy, "isa", None),
                 "kv_cache_dtype": getattr(cfg, "kv_cache_dtype", None),
-                "prefill_chunk_tokens": cfg.generation.prefill_chunk_tokens,
+                "prefill_chunk_tokens": prefill_chunk_tokens(runtime.model.config, cfg.generation.prefill_chunk_tokens),
                 "torch": torch.__version__, "lean_qwenflash": lean_qwenflash.__version__}
     h.update(json.dumps(numerics, sort_keys=True).encode())
     return h.hexdigest()

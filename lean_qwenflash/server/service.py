@@ -132,7 +132,7 @@ class Service:
         self.context_tokens = int(hf.get("max_position_embeddings")
                                   or self.tokenizer.config.get("model_max_length") or 32768)
         self.metrics = Metrics(runtime.provider)
-        self.engine = Engine(runtime.model, cfg.generation.prefill_chunk_tokens, cfg.server.max_queue,
+        self.engine = Engine(runtime.model, runtime.prefill_chunk_tokens, cfg.server.max_queue,
                              cfg.server.prefix_cache_bytes, self.metrics, cfg.server.max_active,
                              **engine_options(runtime, cfg, self.context_tokens))
         self.stop_ids = frozenset(self.tokenizer.eos_token_ids)
