@@ -212,7 +212,7 @@ def test_config_generation_defaults_checked_at_load(tmp_path):
     """Bad generation defaults fail when the config loads, naming the key, not on every request."""
     cases = [("temperature: -1", "temperature"), ("top_p: 0", "top_p"), ("top_k: -2", "top_k"),
              ("min_p: 1.5", "min_p"), ("max_tokens: 0", "generation.max_tokens"),
-             ("prefill_chunk_tokens: 0", "generation.prefill_chunk_tokens")]
+             ("prefill_chunk_tokens: -1", "generation.prefill_chunk_tokens")]
     for line, key in cases:
         p = tmp_path / "c.yaml"
         p.write_text(f"generation:\n  {line}\n")
