@@ -15,6 +15,7 @@ from .config import ConfigError, RuntimeConfig, load_config
 from .experts.provider import ResidentExperts
 from .experts.tiered import TieredExperts
 from .families import moe_facts
+from .generate.budget import prefill_chunk_tokens, run_room
 from .generate.sampling import SamplingParams
 from .loader import build_model
 from .models.policy import ExecPolicy, torch_threads_spin
@@ -63,6 +64,11 @@ class Runtime:
         self.model = model
         self.provider = provider
         self.tokenizer = tokenizer
+        # Tokens per prefill forward, fixed for the run: generation.prefill_chunk_tokens, or (0) the
+        # automatic chunk for this model's shape and the memory left once it is loaded
+        # (generate/budget.py). Runs with the same chunk compute the same outputs, streamed or resident.
+        self.prefill_chunk_tokens = prefill_chunk_tokens(model.config, cfg.generation.prefill_chunk_tokens,
+                                                         run_room(cfg))
 
     @classmethod
     def open(cls, cfg: Optional[RuntimeConfig] = None, resident_experts: bool = False) -> "Runtime":
@@ -103,14 +109,6 @@ class Runtime:
             from .chat import Tokenizer
             tokenizer = Tokenizer.from_dir(cfg.model)
         return cls(cfg, store, model, provider, tokenizer)
-
-    @property
-    def prefill_chunk_tokens(self) -> int:
-        """Tokens per prefill forward: ``generation.prefill_chunk_tokens``, or (0) the automatic
-        chunk for this model's shape (``generate.budget.prefill_chunk_tokens``). Resident and
-        streamed runs use the same, so their outputs stay equal."""
-        from .generate.budget import prefill_chunk_tokens
-        return prefill_chunk_tokens(self.model.config, self.cfg.generation.prefill_chunk_tokens)
 
     def stats(self) -> dict:
         if isinstance(self.provider, TieredExperts):

@@ -323,15 +323,16 @@ def test_context_cost_is_what_the_state_holds(family):
 
 def test_the_automatic_prefill_chunk_follows_the_model_shape(tiny_runtime):  # noqa: F811
     """generation.prefill_chunk_tokens 0 (the default): the longest multiple of 256 tokens, at most
-    2048, whose activations fit 512 MiB: 2048 for a small model, less for wide ones, never under
-    256; a configured chunk wins; the Runtime, its Generator and the budget use the same one, and a
+    2048, whose activations fit 512 MiB and half the memory left beside the caches: 2048 for
+    a small model, less for wide ones or little memory, never under 256; a configured chunk wins; the Runtime, its Generator and the budget use the same one, and a
     streamed runtime the same as a resident one (their outputs stay equal); peak_bytes counts the
     chunk's activations; a negative setting is refused by name."""
     from lean_qwenflash.config import ConfigError
     from lean_qwenflash.generate import Generator
-    from lean_qwenflash.generate.budget import (CHUNK_WORKING_BYTES, chunk_activation_bytes, context_cost,
-                                                prefill_chunk_tokens, run_budget)
+    from lean_qwenflash.generate.budget import (CHUNK_WORKING_BYTES, MARGIN_BYTES, chunk_activation_bytes,
+                                                context_cost, prefill_chunk_tokens, run_budget, run_caches, run_room)
     from lean_qwenflash.runtime import Runtime
+    from lean_qwenflash.server.engine import context_budget
 
     def qwen(hidden, width, top_k):
         return {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": hidden, "moe_intermediate_size": width,
@@ -347,13 +348,22 @@ def test_the_automatic_prefill_chunk_follows_the_model_shape(tiny_runtime):  # n
         assert prefill_chunk_tokens(config, 100) == 100
     assert chunks[(1024, 512, 8)] == 2048 and chunks[(16384, 8192, 16)] == 256
     assert list(chunks.values()) == sorted(chunks.values(), reverse=True)
+    small = qwen(1024, 512, 8)          # little memory left beside the caches: a shorter chunk, at least 256
+    per_token = chunk_activation_bytes(small)
+    assert prefill_chunk_tokens(small, 0, 2 * 1024 * per_token) == 1024
+    assert prefill_chunk_tokens(small, 0, 2 * 1100 * per_token) == 1024
+    assert prefill_chunk_tokens(small, 0, 1 << 20) == prefill_chunk_tokens(small, 0, -5) == 256
+    assert prefill_chunk_tokens(small, 0, 1 << 40) == 2048 and prefill_chunk_tokens(small, 300, 0) == 300
 
     rt, cfg = tiny_runtime
-    auto = prefill_chunk_tokens(rt.model.config)
+    auto = prefill_chunk_tokens(rt.model.config, 0, run_room(cfg))
     assert cfg.generation.prefill_chunk_tokens == 0 and rt.prefill_chunk_tokens == auto
-    assert Generator(rt.model).prefill_chunk_tokens == auto
+    assert Generator(rt.model).prefill_chunk_tokens == prefill_chunk_tokens(rt.model.config)
     budget = run_budget(rt.model, cfg, 4096, 8 * 1024**3, "RAM")
-    assert budget.cost.chunk == auto and budget.cost.activation_per_token == chunk_activation_bytes(rt.model.config)
+    assert budget.cost.chunk == prefill_chunk_tokens(rt.model.config, 0, 8 * 1024**3 - run_caches(cfg, "RAM")
+                                                     - MARGIN_BYTES)
+    assert budget.cost.activation_per_token == chunk_activation_bytes(rt.model.config)
+    assert context_budget(rt, cfg, 4096).cost.chunk == rt.prefill_chunk_tokens
     cost = context_cost(rt.model, "float32", 64)
     plain = copy.copy(cost)
     plain.activation_per_token = 0

@@ -93,7 +93,10 @@ def kv_peak_slots(tokens: int, chunk: int) -> int:
 # tokens with bf16 experts, 245 -> 259 with Q4_K_M (peak RSS +300 MiB); streamed, each doubling
 # halves the reads of a prompt. The cost is the chunk's activations (``chunk_activation_bytes``),
 # and in the server the wait of other requests' decode steps behind one chunk. Automatic: the
-# longest multiple of CHUNK_MIN tokens, at most CHUNK_MAX, whose activations fit CHUNK_WORKING_BYTES.
+# longest multiple of CHUNK_MIN tokens, at most CHUNK_MAX, whose activations fit CHUNK_WORKING_BYTES
+# and half the memory left beside the caches (``run_room``; the estimate is ~5% under what was
+# measured): under a tight memory cap a 2048-token chunk's activations were what pushed a capped run
+# over it (killed by the cgroup: Q4_K_M file capped at 0.94 GiB, host cache 0.47 GiB).
 CHUNK_MIN, CHUNK_MAX = 256, 2048
 CHUNK_WORKING_BYTES = 512 * 1024**2
 
@@ -109,12 +112,15 @@ def chunk_activation_bytes(config: dict) -> int:
     return 4 * (12 * facts.hidden_size + facts.top_k * (3 * facts.expert_intermediate + 2 * facts.hidden_size))
 
 
-def prefill_chunk_tokens(config: dict, configured: int = 0) -> int:
+def prefill_chunk_tokens(config: dict, configured: int = 0, room_bytes: Optional[int] = None) -> int:
     """The prefill chunk of a model of HF ``config``: ``configured`` when > 0, else the automatic
-    one (the longest multiple of CHUNK_MIN up to CHUNK_MAX whose activations fit CHUNK_WORKING_BYTES)."""
+    one: the longest multiple of CHUNK_MIN up to CHUNK_MAX whose activations fit CHUNK_WORKING_BYTES
+    and, when ``room_bytes`` (the memory left beside the caches, ``run_room``) is given, half of it;
+    never under CHUNK_MIN."""
     if configured > 0:
         return int(configured)
-    fits = CHUNK_WORKING_BYTES // max(1, chunk_activation_bytes(config))
+    limit = CHUNK_WORKING_BYTES if room_bytes is None else min(CHUNK_WORKING_BYTES, max(0, room_bytes) // 2)
+    fits = limit // max(1, chunk_activation_bytes(config))
     return max(CHUNK_MIN, min(CHUNK_MAX, fits // CHUNK_MIN * CHUNK_MIN))
 
 
@@ -179,19 +185,37 @@ class ContextBudget:
 MARGIN_BYTES = 256 * 1024**2     # left free beside the states (allocator slack, buffers, the HTTP side)
 
 
-def run_budget(model, cfg, model_context: int, available: int, where: str, caches: Optional[int] = None) -> ContextBudget:
+def run_budget(model, cfg, model_context: int, available: int, where: str, caches: Optional[int] = None,
+               chunk: Optional[int] = None) -> ContextBudget:
     """The ``ContextBudget`` of ``model`` run as ``cfg`` (a RuntimeConfig) says, in ``available``
     bytes of ``where`` ("RAM" or "VRAM"): KV stored as ``kv_cache_dtype`` says, two copies of the
     state with a prefix cache or snapshot directory, and the caches not yet filled subtracted
     (``caches``; default: the prefix cache plus the expert cache of that memory, counted whole:
-    pages already filled are counted twice, on the safe side). The server and ``doctor`` both ask
-    this."""
+    pages already filled are counted twice, on the safe side) and the prefill chunk ``chunk`` (a
+    runtime's ``prefill_chunk_tokens``; default: the one ``prefill_chunk_tokens`` picks for this
+    room). The server and ``doctor`` both ask this."""
     kv = kv_storage(getattr(cfg, "kv_cache_dtype", None), cfg.dtype)
     copies = 2 if cfg.server.prefix_cache_bytes > 0 or cfg.server.snapshot_dir else 0
-    cost = context_cost(model, kv, prefill_chunk_tokens(model.config, cfg.generation.prefill_chunk_tokens), copies)
     if caches is None:
-        caches = cfg.server.prefix_cache_bytes + (cfg.device_cache_bytes if where == "VRAM" else cfg.host_cache_bytes)
+        caches = run_caches(cfg, where)
+    if chunk is None:
+        chunk = prefill_chunk_tokens(model.config, cfg.generation.prefill_chunk_tokens, available - caches - MARGIN_BYTES)
+    cost = context_cost(model, kv, chunk, copies)
     return ContextBudget(cost, available, caches, MARGIN_BYTES, model_context, where)
+
+
+def run_caches(cfg, where: str) -> int:
+    """The caches a run as ``cfg`` says fills in ``where`` ("RAM" or "VRAM"), counted whole: the
+    prefix cache and the expert cache of that memory."""
+    return cfg.server.prefix_cache_bytes + (cfg.device_cache_bytes if where == "VRAM" else cfg.host_cache_bytes)
+
+
+def run_room(cfg) -> int:
+    """The memory a run as ``cfg`` says has left for states and activations, asked once its model
+    and expert caches are loaded (``Runtime.open``; they are in use already): what
+    ``available_memory`` reports on its device, less the prefix cache still to fill and the margin."""
+    available, _ = available_memory(cfg.device)
+    return available - cfg.server.prefix_cache_bytes - MARGIN_BYTES
 
 
 def cgroup_memory() -> tuple[Optional[int], Optional[int]]:

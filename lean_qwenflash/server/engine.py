@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from lean_qwenflash.generate import Generation, Generator, PrefixCache, SamplingParams, Steering, TokenHook
-from lean_qwenflash.generate.budget import ContextBudget, available_memory, prefill_chunk_tokens, run_budget
+from lean_qwenflash.generate.budget import ContextBudget, available_memory, run_budget
 from lean_qwenflash.generate.snapshots import SnapshotDir
 
 log = logging.getLogger("lean_qwenflash.server")
@@ -161,7 +161,7 @@ def context_budget(runtime, cfg, model_context: Optional[int] = None,
     if model_context is None:
         model_context = int(runtime.store.config.get("max_position_embeddings") or 32768)
     avail, where = available if available is not None else available_memory(cfg.device)
-    return run_budget(runtime.model, cfg, model_context, avail, where)
+    return run_budget(runtime.model, cfg, model_context, avail, where, chunk=runtime.prefill_chunk_tokens)
 
 
 def snapshot_fingerprint(runtime, cfg) -> str:
@@ -182,7 +182,7 @@ def snapshot_fingerprint(runtime, cfg) -> str:
     numerics = {"dtype": cfg.dtype, "device": cfg.device, "expert_kernels": cfg.expert_kernels,
                 "cpu_isa": cfg.cpu_isa, "resolved_isa": getattr(policy, "isa", None),
                 "kv_cache_dtype": getattr(cfg, "kv_cache_dtype", None),
-                "prefill_chunk_tokens": prefill_chunk_tokens(runtime.model.config, cfg.generation.prefill_chunk_tokens),
+                "prefill_chunk_tokens": cfg.generation.prefill_chunk_tokens or runtime.prefill_chunk_tokens,
                 "torch": torch.__version__, "lean_qwenflash": lean_qwenflash.__version__}
     h.update(json.dumps(numerics, sort_keys=True).encode())
     return h.hexdigest()

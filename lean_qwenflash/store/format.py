@@ -74,10 +74,6 @@ class TensorSlot:
     def nbytes(self) -> int:
         return get_encoding(self.encoding).nbytes(self.shape)
 
-    def written_version(self) -> int:
-        """The oldest format version that holds this pack (what ``to_json`` writes)."""
-        return COL_ORDER_VERSION if any(t.col_order for t in self.resident) else 2
-
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "encoding": self.encoding,
                 "nbytes": self.nbytes, "offset": self.offset}
@@ -94,10 +90,6 @@ class LayerRecords:
 
     def offset(self, expert_id: int) -> int:
         return self.base_offset + expert_id * self.record_bytes
-
-    def written_version(self) -> int:
-        """The oldest format version that holds this pack (what ``to_json`` writes)."""
-        return COL_ORDER_VERSION if any(t.col_order for t in self.resident) else 2
 
     def to_json(self) -> dict:
         return {
