@@ -72,3 +72,39 @@ def check_sampling(**values) -> None:
         ok, allowed = SAMPLING_RULES[name]
         if isinstance(value, bool) or not ok(value):
             raise ValueError(f"sampling parameter {name}={value!r} is invalid; allowed: {allowed}")
+
+
+def cgroup_dirs(controller: str, root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> list:
+    """The cgroup directories whose limits bind this process for ``controller`` ("memory",
+    "cpu"), innermost first: its own group (``proc``: /proc/self/cgroup) and each parent, in that
+    controller's v1 hierarchy (``root/<controller,...>``) and in the unified v2 one (``root``, or
+    ``root/unified`` on a hybrid mount), then the mount roots themselves. Only directories that
+    exist. (A process in a nested group, e.g. a systemd slice or a benchmark's capped group, is
+    limited there, not at the root.)"""
+    from pathlib import Path
+    base = Path(root)
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        lines = []
+    found = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, rel = fields
+        if controllers == "":
+            hierarchy = base if (base / "cgroup.controllers").exists() else base / "unified"
+        elif controller in controllers.split(","):
+            hierarchy = base / controllers
+        else:
+            continue
+        names = [n for n in rel.strip("/").split("/") if n and n != ".."]
+        found += [hierarchy.joinpath(*names[:i]) for i in range(len(names), -1, -1)]
+    found += [base, base / controller]
+    out = []
+    for d in found:
+        if d.is_dir() and d not in out:
+            out.append(d)
+    return out
+

@@ -140,7 +140,7 @@ class RuntimeConfig:
             raise ConfigError(f"generation.max_tokens: must be >= 1, got {gen.max_tokens}")
         if gen.prefill_chunk_tokens < 0:
             raise ConfigError(f"generation.prefill_chunk_tokens: must be >= 1, or 0 for the automatic chunk "
-                              f"(the longest that fits 512 MiB of activations, 256 to 2048 tokens); "
+                              f"(256 to 2048 tokens, as long as 512 MiB of activations and the memory left allow); "
                               f"got {gen.prefill_chunk_tokens}")
         # Sampling values are checked by the rules SamplingParams uses (common.SAMPLING_RULES).
         try:

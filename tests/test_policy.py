@@ -90,6 +90,45 @@ def test_policy_from_config():
         CausalLM.set_policy(object.__new__(CausalLM), "fast")
 
 
+def test_cgroup_limits_are_read_where_the_process_is(tmp_path):
+    """A process in a nested group (a systemd slice, a capped benchmark group) is limited there and
+    by its parents, not at the mount root: the tightest memory room (usage less inactive page
+    cache) and CPU quota over the group and its parents, v1 and v2."""
+    from lean_qwenflash.common import cgroup_dirs
+    from lean_qwenflash.generate.budget import cgroup_memory
+
+    root, proc = tmp_path / "cg", tmp_path / "cgroup"
+    proc.write_text("5:memory:/slice/job\n4:cpu,cpuacct:/slice/job\n0::/slice/job\n")
+    job, outer = root / "memory" / "slice" / "job", root / "memory" / "slice"
+    job.mkdir(parents=True)
+    (root / "memory" / "memory.limit_in_bytes").write_text(str(1 << 62))     # the root: unlimited
+    (outer / "memory.limit_in_bytes").write_text(str(8 << 30))
+    (outer / "memory.usage_in_bytes").write_text(str(1 << 30))
+    (job / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (job / "memory.usage_in_bytes").write_text(str(2 << 30))                  # full, but 1.5 GiB of it page cache
+    (job / "memory.stat").write_text(f"cache 1\ntotal_inactive_file {3 << 29}\nrss 5\n")
+    assert cgroup_dirs("memory", str(root), str(proc))[:3] == [job, outer, root / "memory"]
+    assert cgroup_memory(str(root), str(proc)) == (2 << 30, 1 << 29)
+    (outer / "memory.limit_in_bytes").write_text(str(1536 << 20))           # the parent leaves less room
+    assert cgroup_memory(str(root), str(proc)) == (1536 << 20, 1 << 30)
+    v2 = tmp_path / "v2"
+    (v2 / "slice" / "job").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("cpu memory\n")
+    (v2 / "slice" / "job" / "memory.max").write_text("max\n")
+    (v2 / "slice" / "memory.max").write_text(str(4 << 30))
+    (v2 / "slice" / "memory.current").write_text(str(1 << 30))
+    assert cgroup_memory(str(v2), str(proc)) == (4 << 30, 1 << 30)
+    (v2 / "slice" / "cpu.max").write_text("50000 100000\n")
+    (v2 / "slice" / "job" / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(v2), str(proc)) == 0.5
+    v1 = root / "cpu,cpuacct" / "slice"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("250000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_limit(str(root), str(proc)) == 2.5
+    assert cgroup_memory(str(tmp_path / "none"), str(proc)) == (None, None)
+
+
 def test_cpu_budget_reads_the_cgroup_quota(tmp_path, monkeypatch):
     v2 = tmp_path / "v2"
     v2.mkdir()

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from lean_qwenflash.common import format_size
+from lean_qwenflash.common import cgroup_dirs, format_size
 
 # Bytes per stored element of a KV cache by its dtype (block encodings: GGUF's 32-value blocks).
 KV_ELEMENT_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "f16": 2.0, "bf16": 2.0,
@@ -218,24 +218,44 @@ def run_room(cfg) -> int:
     return available - cfg.server.prefix_cache_bytes - MARGIN_BYTES
 
 
-def cgroup_memory() -> tuple[Optional[int], Optional[int]]:
-    """(limit, usage) in bytes of this process's memory cgroup (v2, else v1); None where unknown
-    or unlimited."""
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            v = Path(limit_file).read_text().strip()
-        except OSError:
-            continue
-        if v == "max" or int(v) >= 1 << 60:
-            return None, None
-        try:
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            usage = None
-        return int(v), usage
-    return None, None
+def cgroup_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> tuple[Optional[int], Optional[int]]:
+    """(limit, usage) in bytes of the memory cgroup that leaves this process the least room: its
+    own group or a parent (``common.cgroup_dirs``; v2 ``memory.max`` / ``memory.current``, v1
+    ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``), usage less the inactive page cache the
+    kernel reclaims first (``memory.stat``, as ``docker stats`` counts it: the page cache alone
+    fills a capped group to its limit); (None, None) where none is limited."""
+    best = (None, None)
+    for d in cgroup_dirs("memory", root, proc):
+        for limit_name, usage_name in (("memory.max", "memory.current"),
+                                       ("memory.limit_in_bytes", "memory.usage_in_bytes")):
+            limit = _read_int(d / limit_name)
+            if limit is None:
+                continue                     # not this version's file (or "max": unlimited)
+            if limit >= 1 << 60:
+                break
+            usage = _read_int(d / usage_name)
+            if usage is not None:
+                usage = max(0, usage - _inactive_file(d))
+            if best[0] is None or limit - (usage or 0) < best[0] - (best[1] or 0):
+                best = (limit, usage)
+            break
+    return best
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _inactive_file(group: Path) -> int:
+    """The inactive page cache of a memory cgroup (v1 ``total_inactive_file``, v2 ``inactive_file``)."""
+    try:
+        stat = dict(line.split()[:2] for line in (group / "memory.stat").read_text().splitlines() if " " in line)
+        return int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+    except (OSError, ValueError):
+        return 0
 
 
 def available_memory(device: str = "cpu") -> tuple[int, str]:

@@ -14,13 +14,12 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from .. import OMP_SPIN_COUNT, TORCH_OMP_WAIT
-from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES
+from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, cgroup_dirs
 
 # Idle-worker spin (pause instructions) of the native pool during a CPU decode step, where torch
 # runs on one thread and the kernels are called ~100 times per step (csrc/moe.cpp).
@@ -28,20 +27,26 @@ DECODE_SPIN = 100000
 ALIGNMENT = 4096          # workspace buffers start on a page, as store records do
 
 
-def cgroup_cpu_limit(root: str = "/sys/fs/cgroup") -> Optional[float]:
-    """The CPU quota of this process's cgroup in cores (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` /
-    ``cpu.cfs_period_us``); None when there is none or it cannot be read."""
-    try:
-        quota, period = Path(root, "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
-    except (OSError, ValueError):
-        pass
-    try:
-        quota = int(Path(root, "cpu", "cpu.cfs_quota_us").read_text())
-        period = int(Path(root, "cpu", "cpu.cfs_period_us").read_text())
-        return None if quota <= 0 or period <= 0 else quota / period
-    except (OSError, ValueError):
-        return None
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> Optional[float]:
+    """The CPU quota of this process's cgroups in cores, the tightest of its group and its parents
+    (``common.cgroup_dirs``; v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``);
+    None when there is none or it cannot be read."""
+    limits = []
+    for d in cgroup_dirs("cpu", root, proc):
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                limits.append(int(quota) / int(period))
+            continue
+        except (OSError, ValueError):
+            pass
+        try:
+            quota, period = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+            if quota > 0 and period > 0:
+                limits.append(quota / period)
+        except (OSError, ValueError):
+            pass
+    return min(limits) if limits else None
 
 
 def torch_threads_spin() -> Optional[str]:
