@@ -213,9 +213,10 @@ def run_caches(cfg, where: str) -> int:
 def run_room(cfg) -> int:
     """The memory a run as ``cfg`` says has left for states and activations, asked once its model
     and expert caches are loaded (``Runtime.open``; they are in use already): what
-    ``available_memory`` reports on its device, less the prefix cache still to fill and the margin."""
+    ``available_memory`` reports on its device less the margin. (A chunk takes half of it: the
+    rest is for states and, in the server, the prefix cache, which the budget counts.)"""
     available, _ = available_memory(cfg.device)
-    return available - cfg.server.prefix_cache_bytes - MARGIN_BYTES
+    return available - MARGIN_BYTES
 
 
 def cgroup_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> tuple[Optional[int], Optional[int]]:
