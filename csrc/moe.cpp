@@ -195,6 +195,53 @@ struct ActBuf {
     }
 };
 
+// Buffers a many-token call reuses on its calling thread, grown to the largest call so far and
+// never shrunk: a 512-token moe_prefill of the issue-21 model wrote 40 MB of fresh memory per
+// layer, ~570 MiB of page faults per prompt.
+template <class T>
+static T* room(std::vector<T>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+}
+
+// Activation rows for a product in `enc`, quantized per block into buffers kept across calls
+// (floats are read in place): reserve for n rows of `cols` values, then prepare(i, x) fills row i
+// (from any thread) and acts[i] is its activation.
+struct RowActs {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+    std::vector<Act> acts;
+    bool block = false;
+    int cols = 0;
+    size_t nb = 0;
+    void reserve(int enc, int n, int row_cols) {
+        block = !enc_is_float(enc);
+        cols = row_cols;
+        nb = static_cast<size_t>(cols / QA);
+        room(acts, n);
+        if (!block) return;
+        room(q, static_cast<size_t>(n) * cols);
+        room(d, n * nb);
+        room(s, n * nb);
+    }
+    void prepare(int i, const float* x) {
+        acts[i].x = x;
+        if (!block) return;
+        int8_t* qi = q.data() + static_cast<size_t>(i) * cols;
+        float *di = d.data() + i * nb, *si = s.data() + i * nb;
+        acts[i].q8 = ActQ8{di, qi, si};
+        quantize_act(x, cols, di, qi, si);
+    }
+};
+
+// silu(gate) * up of one row of h [2I] (gate then up) into out [I]
+static void swiglu_row(const float* h, int inter, float* out) {
+    for (int j = 0; j < inter; ++j) {
+        const float g = h[j];
+        out[j] = g / (1.f + std::exp(-g)) * h[inter + j];
+    }
+}
+
 // silu(gate) * up of each of n rows of h [n, 2I] (gate then up), prepared for a product in `enc`
 // (quantized for block encodings): acts[i] is row i's activation.
 struct SwiGLU {
@@ -204,16 +251,20 @@ struct SwiGLU {
     SwiGLU(Pool& pl, const float* h, int n, int inter, int enc)
         : values(static_cast<size_t>(n) * inter), bufs(n), acts(n) {
         pl.run(n, [&](int i) {
-            const float* hi = h + static_cast<size_t>(i) * 2 * inter;
             float* ai = values.data() + static_cast<size_t>(i) * inter;
-            for (int j = 0; j < inter; ++j) {
-                const float g = hi[j];
-                ai[j] = g / (1.f + std::exp(-g)) * hi[inter + j];
-            }
+            swiglu_row(h + static_cast<size_t>(i) * 2 * inter, inter, ai);
             bufs[i].prepare(enc, ai, inter);
             acts[i] = bufs[i].act();
         });
     }
+};
+
+// What moe_prefill reuses on its calling thread: the tokens' and the pairs' activations, the
+// gate_up and down outputs.
+struct PrefillScratch {
+    RowActs x, a;
+    std::vector<const Act*> pair_acts;
+    std::vector<float> h, sw, y;
 };
 
 static void check_cols(int enc, int cols, const char* what) {
@@ -370,26 +421,33 @@ void moe_prefill(const float* x, int hidden, int inter, const std::vector<const 
     int num_tokens = 0;                                          // tokens are rows of x and out
     for (int p = 0; p < pairs; ++p) num_tokens = std::max(num_tokens, tokens[p] + 1);
     Pool& pl = pool(num_threads);
+    // (a reference: the pool's workers must use the calling thread's scratch, not their own)
+    thread_local PrefillScratch scratch;
+    PrefillScratch& sc = scratch;
 
     // 1. each token's activations, quantized once for the gate_up encoding
-    std::vector<ActBuf> ax(num_tokens);
-    pl.run(num_tokens, [&](int t) { ax[t].prepare(gate_up_enc, x + static_cast<size_t>(t) * hidden, hidden); });
-    std::vector<Act> act_x(num_tokens);
-    for (int t = 0; t < num_tokens; ++t) act_x[t] = ax[t].act();
-    std::vector<const Act*> pair_acts(pairs);
-    for (int p = 0; p < pairs; ++p) pair_acts[p] = &act_x[tokens[p]];
+    sc.x.reserve(gate_up_enc, num_tokens, hidden);
+    pl.run(num_tokens, [&](int t) { sc.x.prepare(t, x + static_cast<size_t>(t) * hidden); });
+    const Act** pair_acts = room(sc.pair_acts, pairs);
+    for (int p = 0; p < pairs; ++p) pair_acts[p] = &sc.x.acts[tokens[p]];
 
     // 2. gate_up for every pair: h [pairs, 2I]
-    std::vector<float> h(static_cast<size_t>(pairs) * 2 * inter);
-    rows_times_pairs(pl, k, gate_up_enc, gate_up, first, 2 * inter, hidden, pair_acts.data(), h.data());
+    float* h = room(sc.h, static_cast<size_t>(pairs) * 2 * inter);
+    rows_times_pairs(pl, k, gate_up_enc, gate_up, first, 2 * inter, hidden, pair_acts, h);
 
     // 3. silu(gate) * up per pair, quantized for the down product
-    SwiGLU sw(pl, h.data(), pairs, inter, down_enc);
-    for (int p = 0; p < pairs; ++p) pair_acts[p] = &sw.acts[p];
+    float* sw = room(sc.sw, static_cast<size_t>(pairs) * inter);
+    sc.a.reserve(down_enc, pairs, inter);
+    pl.run(pairs, [&](int p) {
+        float* ap = sw + static_cast<size_t>(p) * inter;
+        swiglu_row(h + static_cast<size_t>(p) * 2 * inter, inter, ap);
+        sc.a.prepare(p, ap);
+    });
+    for (int p = 0; p < pairs; ++p) pair_acts[p] = &sc.a.acts[p];
 
     // 4. down for every pair: y [pairs, H]
-    std::vector<float> y(static_cast<size_t>(pairs) * hidden);
-    rows_times_pairs(pl, k, down_enc, down, first, hidden, inter, pair_acts.data(), y.data());
+    float* y = room(sc.y, static_cast<size_t>(pairs) * hidden);
+    rows_times_pairs(pl, k, down_enc, down, first, hidden, inter, pair_acts, y);
 
     // 5. out[token] += weight * y, expert by expert in the call's order (as torch's per-expert
     //    index_add: a prefill split into several calls adds in the same order); threads own columns
@@ -398,7 +456,7 @@ void moe_prefill(const float* x, int hidden, int inter, const std::vector<const 
         const int c0 = task * col_step, c1 = std::min(hidden, c0 + col_step);
         for (int p = 0; p < pairs; ++p) {
             const float w = weights[p];
-            const float* yp = y.data() + static_cast<size_t>(p) * hidden;
+            const float* yp = y + static_cast<size_t>(p) * hidden;
             float* op = out + static_cast<size_t>(tokens[p]) * hidden;
             for (int c = c0; c < c1; ++c) op[c] += w * yp[c];
         }
