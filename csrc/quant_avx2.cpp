@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "quant.h"
@@ -140,7 +141,200 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     return hsum(_mm256_add_ps(acc, acc2));
 }
 
-float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<false>(row, a, cols); }
+// ---- q4_k: a block's eight sub-block sums added in one fixed tree, so that one row and eight
+// rows at once (lanes = rows, the prefill kernel below) give the same bits ----
+//
+// Per 256-value block: I_k = sum of q * x over sub-block k (exact int32), then
+//   block = tree(cvt(I_k) * ((d * sc_k) * dx_k)) - tree((dmin * m_k) * s_k)
+// with tree(v) = ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), and the row's blocks added in
+// order: acc = acc + block. (The K-quant kernel of the other ISAs keeps one FMA chain per lane.)
+
+// tree(v) over the 8 lanes of v
+inline float tree8(__m256 v) {
+    const __m256 s1 = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1));      // v0+v1, v2+v3, ...
+    const __m256 s2 = _mm256_add_ps(s1, _mm256_permute_ps(s1, 0x4E));    // (v0+v1)+(v2+v3), ...
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
+}
+
+// 8 x 8 transpose of 32-bit lanes: v[i] lane j -> v[j] lane i
+inline void transpose8(__m256 v[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// One block of a q4_k row against one column: its nibbles (lo[c], hi[c]: sub-blocks 2c and 2c + 1),
+// d * sc_k and dmin * m_k (dsc, dmf), the column's 256 int8 values x and its scales and sums d, s.
+inline float q4_k_block(const __m256i lo[4], const __m256i hi[4], __m256 dsc, __m256 dmf, const int8_t* x,
+                        const float* d, const float* s) {
+    __m256i I[8];
+    for (int c = 0; c < 4; ++c) {
+        I[2 * c] = dot_u8s8(lo[c], loadu(x + 64 * c));
+        I[2 * c + 1] = dot_u8s8(hi[c], loadu(x + 64 * c + 32));
+    }
+    // the eight totals in lanes 0..7 (integer sums: exact in any order)
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[0], I[1]), _mm256_hadd_epi32(I[2], I[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[4], I[5]), _mm256_hadd_epi32(I[6], I[7]));
+    const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+    const __m256 e = _mm256_mul_ps(dsc, _mm256_loadu_ps(d));
+    return tree8(_mm256_mul_ps(_mm256_cvtepi32_ps(tot), e)) - tree8(_mm256_mul_ps(dmf, _mm256_loadu_ps(s)));
+}
+
+// A q4_k block's nibbles and scales, decoded once for any number of columns.
+inline void q4_k_decode(const uint8_t* blk, __m256i lo[4], __m256i hi[4], __m256& dsc, __m256& dmf) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    __m256 scf, mf;
+    k_scales(blk, scf, mf);
+    dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), scf);
+    dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mf);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i qb = loadu(blk + 16 + 32 * c);
+        lo[c] = _mm256_and_si256(qb, m4);
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+    }
+}
+
+// One row against N <= 4 columns (a few tokens each expert: short prompts), dot_q4_k's bits.
+struct Q4KCols {
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        const Columns<N> x(acts);
+        float acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = 0.f;
+        for (int b = 0; b < cols / QK; ++b, row += 144) {
+            prefetch_ahead(row, 144);
+            __m256i lo[4], hi[4];
+            __m256 dsc, dmf;
+            q4_k_decode(row, lo, hi, dsc, dmf);
+            for (int j = 0; j < N; ++j)
+                acc[j] = acc[j] + q4_k_block(lo, hi, dsc, dmf, x.q[j] + QK * b, x.d[j] + 8 * b, x.s[j] + 8 * b);
+        }
+        for (int j = 0; j < N; ++j) out[j * stride] = acc[j];
+    }
+    static float one(const uint8_t* row, const Act& a, int cols) {
+        const Act* p = &a;
+        float out;
+        run<1>(row, &p, cols, &out, 0);
+        return out;
+    }
+};
+
+float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return Q4KCols::one(row, a, cols); }
+
+// q4_k against n columns, eight rows at a time with a lane per row: each group's nibbles are
+// unpacked once into [block][sub-block k][step s] vectors of 32 bytes (rows 0..7 x values 4s..4s+3),
+// its scales into [block][k] vectors over the rows; a column's four activation bytes are broadcast
+// against them, and a sub-block's eight products stay in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15)
+// until one madd. Every row gets dot_q4_k's bits (the same integers, the same float tree).
+struct Q4KRows8 {
+    struct Group {
+        std::vector<uint8_t> w;     // [blocks][8 k][8 s] x 32 bytes
+        std::vector<float> e, m;    // [blocks][8 k] x 8 rows: d * sc_k and dmin * m_k
+    };
+    static void unpack(const uint8_t* w, size_t row_bytes, int nblocks, Group& g) {
+        const __m256i m4 = _mm256_set1_epi8(0xF);
+        g.w.resize(static_cast<size_t>(nblocks) * 64 * 32);
+        g.e.resize(static_cast<size_t>(nblocks) * 64);
+        g.m.resize(static_cast<size_t>(nblocks) * 64);
+        for (int b = 0; b < nblocks; ++b) {
+            __m256 es[8], ms[8];
+            alignas(32) __m256 q[8][8];      // [k][row] as float lanes for the transpose (bits only)
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t* blk = w + r * row_bytes + static_cast<size_t>(b) * 144;
+                __m256 scf, mf;
+                k_scales(blk, scf, mf);
+                es[r] = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), scf);
+                ms[r] = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mf);
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i qb = loadu(blk + 16 + 32 * c);
+                    q[2 * c][r] = _mm256_castsi256_ps(_mm256_and_si256(qb, m4));
+                    q[2 * c + 1][r] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4));
+                }
+            }
+            transpose8(es);
+            transpose8(ms);
+            for (int k = 0; k < 8; ++k) {
+                _mm256_storeu_ps(g.e.data() + 8 * (8 * b + k), es[k]);
+                _mm256_storeu_ps(g.m.data() + 8 * (8 * b + k), ms[k]);
+                transpose8(q[k]);               // row r's values 4s..4s+3 -> vector s, lane r
+                for (int s = 0; s < 8; ++s) _mm256_storeu_ps(reinterpret_cast<float*>(g.w.data() + 32 * (64 * b + 8 * k + s)), q[k][s]);
+            }
+        }
+    }
+    template <int N>
+    static void run(const Group& g, int nblocks, const Act* const* acts, float* out, size_t ld) {
+        const Columns<N> x(acts);
+        __m256 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+        for (int b = 0; b < nblocks; ++b) {
+            __m256 p[N][8];
+            for (int k = 0; k < 8; ++k) {
+                const uint8_t* wk = g.w.data() + 32 * (64 * b + 8 * k);
+                __m256i a16[N];
+                for (int j = 0; j < N; ++j) {
+                    const int8_t* xk = x.q[j] + QK * b + 32 * k;
+                    int32_t v;
+                    std::memcpy(&v, xk, 4);
+                    a16[j] = _mm256_maddubs_epi16(loadu(wk), _mm256_set1_epi32(v));
+                }
+                for (int s = 1; s < 8; ++s) {
+                    const __m256i ws = loadu(wk + 32 * s);
+                    for (int j = 0; j < N; ++j) {
+                        int32_t v;
+                        std::memcpy(&v, x.q[j] + QK * b + 32 * k + 4 * s, 4);
+                        a16[j] = _mm256_add_epi16(a16[j], _mm256_maddubs_epi16(ws, _mm256_set1_epi32(v)));
+                    }
+                }
+                for (int j = 0; j < N; ++j) {
+                    const __m256 eff = _mm256_mul_ps(_mm256_loadu_ps(g.e.data() + 8 * (8 * b + k)), _mm256_set1_ps(x.d[j][8 * b + k]));
+                    p[j][k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a16[j], _mm256_set1_epi16(1))), eff);
+                }
+            }
+            for (int j = 0; j < N; ++j) {
+                __m256 mm[8];
+                for (int k = 0; k < 8; ++k)
+                    mm[k] = _mm256_mul_ps(_mm256_loadu_ps(g.m.data() + 8 * (8 * b + k)), _mm256_set1_ps(x.s[j][8 * b + k]));
+                acc[j] = _mm256_add_ps(acc[j], _mm256_sub_ps(tree(p[j]), tree(mm)));
+            }
+        }
+        for (int j = 0; j < N; ++j) _mm256_storeu_ps(out + j * ld, acc[j]);
+    }
+    // tree over eight vectors, lane by lane (tree8's order)
+    static __m256 tree(const __m256 v[8]) {
+        return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])),
+                             _mm256_add_ps(_mm256_add_ps(v[4], v[5]), _mm256_add_ps(v[6], v[7])));
+    }
+};
+
+// dot_columns for q4_k: groups of eight rows through Q4KRows8 (two columns at a time), the rows
+// left over (fewer than eight) through Q4KCols; so are all rows against fewer than
+// Q4K_ROWS8_MIN_COLS columns, where unpacking a group costs more than it saves.
+constexpr int Q4K_ROWS8_MIN_COLS = 4;
+void dot_columns_q4_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+                      size_t ld) {
+    const int nblocks = cols / QK;
+    thread_local Q4KRows8::Group g;
+    int r = 0;
+    for (; n >= Q4K_ROWS8_MIN_COLS && r + 8 <= rows; r += 8) {
+        Q4KRows8::unpack(w + r * row_bytes, row_bytes, nblocks, g);
+        int j = 0;
+        for (; j + 2 <= n; j += 2) Q4KRows8::run<2>(g, nblocks, acts + j, out + j * ld + r, ld);
+        if (j < n) Q4KRows8::run<1>(g, nblocks, acts + j, out + j * ld + r, ld);
+    }
+    if (r < rows) dot_columns<Q4KCols>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
+}
 float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<true>(row, a, cols); }
 
 float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
@@ -318,7 +512,7 @@ const KernelTable& avx2_kernels() {
         k.dotn[ENC_BF16] = dot_columns<BF16N>;
         k.dotn[ENC_Q8_0] = dot_columns<Blocks32N<false>>;
         k.dotn[ENC_Q4_0] = dot_columns<Blocks32N<true>>;
-        k.dotn[ENC_Q4_K] = dot_columns<KAffineN<false>>;
+        k.dotn[ENC_Q4_K] = dot_columns_q4_k;
         k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
         k.dotn[ENC_Q6_K] = dot_columns_q6_k;
         return k;
