@@ -378,9 +378,9 @@ static void rows_times_pairs(Pool& pl, const KernelTable& k, int enc, const std:
     const int num_experts = static_cast<int>(w.size());
     const int by_bytes = std::max(16, static_cast<int>(TILE_BYTES / stride));
     const int for_balance = std::max(16, rows * num_experts / (4 * pl.size()));   // >= ~4 tasks a thread
-    // (a multiple of eight rows: a kernel that takes rows eight at a time sees the same groups
-    // however the call is tiled, so a streamed run of a few experts gives the resident bits)
-    const int step = std::min(rows, std::max(8, std::min(by_bytes, for_balance) / 8 * 8));
+    // (a multiple of sixteen rows: the kernels that take rows eight or sixteen at a time get full
+    // groups; every row's bits are the single-row kernel's however the call is tiled)
+    const int step = std::min(rows, std::max(16, std::min(by_bytes, for_balance) / 16 * 16));
     const int blocks = (rows + step - 1) / step;
     pl.run(num_experts * blocks, [&](int task) {
         const int e = task / blocks, r0 = (task % blocks) * step, r1 = std::min(rows, r0 + step);

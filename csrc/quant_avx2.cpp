@@ -141,69 +141,28 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     return hsum(_mm256_add_ps(acc, acc2));
 }
 
-// ---- q4_k: a block's eight sub-block sums added in one fixed tree, so that one row and eight
-// rows at once (lanes = rows, the prefill kernel below) give the same bits ----
-//
-// Per 256-value block: I_k = sum of q * x over sub-block k (exact int32), then
-//   block = tree(cvt(I_k) * ((d * sc_k) * dx_k)) - tree((dmin * m_k) * s_k)
-// with tree(v) = ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), and the row's blocks added in
-// order: acc = acc + block. (The K-quant kernel of the other ISAs keeps one FMA chain per lane.)
+// ---- q4_k in its one order (quant_columns.h), one row or eight rows at once (lanes = rows) ----
 
-// tree(v) over the 8 lanes of v
-inline float tree8(__m256 v) {
-    const __m256 s1 = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1));      // v0+v1, v2+v3, ...
-    const __m256 s2 = _mm256_add_ps(s1, _mm256_permute_ps(s1, 0x4E));    // (v0+v1)+(v2+v3), ...
-    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
-}
-
-// 8 x 8 transpose of 32-bit lanes: v[i] lane j -> v[j] lane i
-inline void transpose8(__m256 v[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; ++i) {
-        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-
-// One block of a q4_k row against one column: its nibbles (lo[c], hi[c]: sub-blocks 2c and 2c + 1),
-// d * sc_k and dmin * m_k (dsc, dmf), the column's 256 int8 values x and its scales and sums d, s.
-inline float q4_k_block(const __m256i lo[4], const __m256i hi[4], __m256 dsc, __m256 dmf, const int8_t* x,
-                        const float* d, const float* s) {
-    __m256i I[8];
-    for (int c = 0; c < 4; ++c) {
-        I[2 * c] = dot_u8s8(lo[c], loadu(x + 64 * c));
-        I[2 * c + 1] = dot_u8s8(hi[c], loadu(x + 64 * c + 32));
-    }
-    // the eight totals in lanes 0..7 (integer sums: exact in any order)
-    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[0], I[1]), _mm256_hadd_epi32(I[2], I[3]));
-    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[4], I[5]), _mm256_hadd_epi32(I[6], I[7]));
-    const __m256i tot = _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
-    const __m256 e = _mm256_mul_ps(dsc, _mm256_loadu_ps(d));
-    return tree8(_mm256_mul_ps(_mm256_cvtepi32_ps(tot), e)) - tree8(_mm256_mul_ps(dmf, _mm256_loadu_ps(s)));
-}
-
-// A q4_k block's nibbles and scales, decoded once for any number of columns.
+// A q4_k block's nibbles (lo[c], hi[c]: sub-blocks 2c and 2c + 1) and scales, decoded once for any
+// number of columns.
 inline void q4_k_decode(const uint8_t* blk, __m256i lo[4], __m256i hi[4], __m256& dsc, __m256& dmf) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    __m256 scf, mf;
-    k_scales(blk, scf, mf);
-    dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), scf);
-    dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mf);
+    q4_k_scales(blk, dsc, dmf);
     for (int c = 0; c < 4; ++c) {
         const __m256i qb = loadu(blk + 16 + 32 * c);
         lo[c] = _mm256_and_si256(qb, m4);
         hi[c] = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
     }
+}
+
+// The block's sub-block totals against one column's 256 int8 values x.
+inline __m256i q4_k_dots(const __m256i lo[4], const __m256i hi[4], const int8_t* x) {
+    __m256i I[8];
+    for (int c = 0; c < 4; ++c) {
+        I[2 * c] = dot_u8s8(lo[c], loadu(x + 64 * c));
+        I[2 * c + 1] = dot_u8s8(hi[c], loadu(x + 64 * c + 32));
+    }
+    return q4_k_totals(I);
 }
 
 // One row against N <= 4 columns (a few tokens each expert: short prompts), dot_q4_k's bits.
@@ -219,7 +178,7 @@ struct Q4KCols {
             __m256 dsc, dmf;
             q4_k_decode(row, lo, hi, dsc, dmf);
             for (int j = 0; j < N; ++j)
-                acc[j] = acc[j] + q4_k_block(lo, hi, dsc, dmf, x.q[j] + QK * b, x.d[j] + 8 * b, x.s[j] + 8 * b);
+                acc[j] = acc[j] + q4_k_block(q4_k_dots(lo, hi, x.q[j] + QK * b), dsc, dmf, x.d[j] + 8 * b, x.s[j] + 8 * b);
         }
         for (int j = 0; j < N; ++j) out[j * stride] = acc[j];
     }
@@ -253,10 +212,7 @@ struct Q4KRows8 {
             alignas(32) __m256 q[8][8];      // [k][row] as float lanes for the transpose (bits only)
             for (int r = 0; r < 8; ++r) {
                 const uint8_t* blk = w + r * row_bytes + static_cast<size_t>(b) * 144;
-                __m256 scf, mf;
-                k_scales(blk, scf, mf);
-                es[r] = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), scf);
-                ms[r] = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), mf);
+                q4_k_scales(blk, es[r], ms[r]);
                 for (int c = 0; c < 4; ++c) {
                     const __m256i qb = loadu(blk + 16 + 32 * c);
                     q[2 * c][r] = _mm256_castsi256_ps(_mm256_and_si256(qb, m4));

@@ -3,6 +3,9 @@
 // under the weight's sign mask instead. Internal linkage except the table (see quant_avx2.cpp).
 #include <immintrin.h>
 
+#include <cstring>
+#include <vector>
+
 #include "quant.h"
 
 // GCC 12's AVX-512 headers trip -Wuninitialized on their own _mm512_undefined_* helpers.
@@ -135,8 +138,181 @@ float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
     return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
-float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<false>(row, a, cols); }
 float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<true>(row, a, cols); }
+
+// ---- q4_k in its one order (quant_columns.h; the AVX2 kernels' bits), one row or sixteen rows at
+// once (lanes = rows) ----
+
+// The block's sub-block totals against one column's 256 int8 values x, from its four pairs q[c]
+// (k_pair: sub-blocks 2c | 2c + 1). 128-bit lane L of p[c] holds partial sums of sub-block 2c
+// (L = 0, 1) or 2c + 1 (L = 2, 3); three unpack-and-add steps leave lane 4L + c = the sum over lane
+// L of p[c], then the halves are paired and the totals put in order (integer sums: exact).
+inline __m256i q4_k_dots(const __m512i q[4], const int8_t* x) {
+    __m512i p[4];
+    for (int c = 0; c < 4; ++c) p[c] = dot_u8s8(q[c], loadu(x + 64 * c));
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+    const __m512i t = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, _MM_SHUFFLE(2, 3, 0, 1)));   // lanes c: I_2c, 8 + c: I_2c+1
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, t));
+}
+
+// q4_k_block (quant_columns.h) with its two trees in one 512-bit register: the products in lanes
+// 0..7, the mins in 8..15; each add pairs the same two values as tree8's, so the bits are its.
+inline float q4_k_block512(__m256i tot, __m256 dsc, __m256 dmf, const float* d, const float* s) {
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dsc, _mm256_loadu_ps(d)));
+    const __m256 m = _mm256_mul_ps(dmf, _mm256_loadu_ps(s));
+    __m512 z = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(v)), _mm256_castps_pd(m), 1));
+    z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
+    z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E));
+    z = _mm512_add_ps(z, _mm512_shuffle_f32x4(z, z, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_cvtss_f32(z) - _mm_cvtss_f32(_mm512_extractf32x4_ps(z, 2));
+}
+
+// One row against N <= 4 columns (a few tokens each expert: short prompts, and decode).
+struct Q4KCols {
+    template <int N>
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        const __m512i m4 = _mm512_set1_epi8(0xF);
+        const Columns<N> x(acts);
+        float acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = 0.f;
+        for (int b = 0; b < cols / QK; ++b, row += 144) {
+            prefetch_ahead(row, 144);
+            __m256 dsc, dmf;
+            q4_k_scales(row, dsc, dmf);
+            __m512i q[4];
+            for (int c = 0; c < 4; ++c) q[c] = k_pair<false>(row + 16, _mm512_setzero_si512(), c, m4);
+            for (int j = 0; j < N; ++j)
+                acc[j] = acc[j] + q4_k_block512(q4_k_dots(q, x.q[j] + QK * b), dsc, dmf, x.d[j] + 8 * b, x.s[j] + 8 * b);
+        }
+        for (int j = 0; j < N; ++j) out[j * stride] = acc[j];
+    }
+    static float one(const uint8_t* row, const Act& a, int cols) {
+        const Act* p = &a;
+        float out;
+        run<1>(row, &p, cols, &out, 0);
+        return out;
+    }
+};
+
+float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return Q4KCols::one(row, a, cols); }
+
+// q4_k against n columns, sixteen rows at a time with a lane per row: each group's nibbles are
+// unpacked once into [block][sub-block k][step s] vectors of 64 bytes (rows 0..15 x values
+// 4s..4s+3), its scales into [block][k] vectors over the rows; a column's four activation bytes are
+// broadcast against them and VNNI adds each lane's four products into its int32 (two chains a
+// column, even and odd steps). Every row gets dot_q4_k's bits.
+struct Q4KRows16 {
+    struct Group {
+        std::vector<uint8_t> w;     // [blocks][8 k][8 s] x 64 bytes
+        std::vector<float> e, m;    // [blocks][8 k] x 16 rows: d * sc_k and dmin * m_k
+    };
+    static void unpack(const uint8_t* w, size_t row_bytes, int nblocks, Group& g) {
+        const __m256i m4 = _mm256_set1_epi8(0xF);
+        g.w.resize(static_cast<size_t>(nblocks) * 64 * 64);
+        g.e.resize(static_cast<size_t>(nblocks) * 128);
+        g.m.resize(static_cast<size_t>(nblocks) * 128);
+        for (int b = 0; b < nblocks; ++b) {
+            for (int half = 0; half < 2; ++half) {      // rows 0..7, then 8..15: lanes 8 * half + r
+                __m256 es[8], ms[8];
+                __m256 q[8][8];                         // [k][row] as float lanes for the transpose (bits only)
+                for (int r = 0; r < 8; ++r) {
+                    const uint8_t* blk = w + (8 * half + r) * row_bytes + static_cast<size_t>(b) * 144;
+                    q4_k_scales(blk, es[r], ms[r]);
+                    for (int c = 0; c < 4; ++c) {
+                        const __m256i qb = loadu256(blk + 16 + 32 * c);
+                        q[2 * c][r] = _mm256_castsi256_ps(_mm256_and_si256(qb, m4));
+                        q[2 * c + 1][r] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4));
+                    }
+                }
+                transpose8(es);
+                transpose8(ms);
+                for (int k = 0; k < 8; ++k) {
+                    _mm256_storeu_ps(g.e.data() + 16 * (8 * b + k) + 8 * half, es[k]);
+                    _mm256_storeu_ps(g.m.data() + 16 * (8 * b + k) + 8 * half, ms[k]);
+                    transpose8(q[k]);           // row r's values 4s..4s+3 -> vector s, lane r
+                    for (int s = 0; s < 8; ++s)
+                        _mm256_storeu_ps(reinterpret_cast<float*>(g.w.data() + 64 * (64 * b + 8 * k + s) + 32 * half), q[k][s]);
+                }
+            }
+        }
+    }
+    static __m512i bcast4(const int8_t* p) {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        return _mm512_set1_epi32(v);
+    }
+    template <int N>
+    static void run(const Group& g, int nblocks, const Act* const* acts, float* out, size_t ld) {
+        const Columns<N> x(acts);
+        __m512 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+        for (int b = 0; b < nblocks; ++b) {
+            __m512 left[N], right[N];   // (p0 + p1) + (p2 + p3) and (p4 + p5) + (p6 + p7), built in that order
+            for (int k = 0; k < 8; k += 2) {
+                __m512 pair[N][2];
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t* wk = g.w.data() + 64 * (64 * b + 8 * (k + h));
+                    __m512i i0[N], i1[N];
+                    for (int j = 0; j < N; ++j) i0[j] = i1[j] = _mm512_setzero_si512();
+                    for (int s = 0; s < 8; s += 2) {
+                        const __m512i w0 = loadu(wk + 64 * s), w1 = loadu(wk + 64 * (s + 1));
+                        for (int j = 0; j < N; ++j) {
+                            const int8_t* xk = x.q[j] + QK * b + 32 * (k + h) + 4 * s;
+                            i0[j] = _mm512_dpbusd_epi32(i0[j], w0, bcast4(xk));
+                            i1[j] = _mm512_dpbusd_epi32(i1[j], w1, bcast4(xk + 4));
+                        }
+                    }
+                    const __m512 e = _mm512_loadu_ps(g.e.data() + 16 * (8 * b + k + h));
+                    for (int j = 0; j < N; ++j)
+                        pair[j][h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0[j], i1[j])),
+                                                   _mm512_mul_ps(e, _mm512_set1_ps(x.d[j][8 * b + k + h])));
+                }
+                for (int j = 0; j < N; ++j) {
+                    const __m512 pr = _mm512_add_ps(pair[j][0], pair[j][1]);
+                    if (k == 0) left[j] = pr;
+                    else if (k == 2) left[j] = _mm512_add_ps(left[j], pr);
+                    else if (k == 4) right[j] = pr;
+                    else right[j] = _mm512_add_ps(right[j], pr);
+                }
+            }
+            const float* mb = g.m.data() + 128 * b;
+            for (int j = 0; j < N; ++j) {
+                const float* sj = x.s[j] + 8 * b;
+                __m512 mm[8];
+                for (int k = 0; k < 8; ++k) mm[k] = _mm512_mul_ps(_mm512_loadu_ps(mb + 16 * k), _mm512_set1_ps(sj[k]));
+                const __m512 mt = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(mm[0], mm[1]), _mm512_add_ps(mm[2], mm[3])),
+                                                _mm512_add_ps(_mm512_add_ps(mm[4], mm[5]), _mm512_add_ps(mm[6], mm[7])));
+                acc[j] = _mm512_add_ps(acc[j], _mm512_sub_ps(_mm512_add_ps(left[j], right[j]), mt));
+            }
+        }
+        for (int j = 0; j < N; ++j) _mm512_storeu_ps(out + j * ld, acc[j]);
+    }
+};
+
+// dot_columns for q4_k: groups of sixteen rows through Q4KRows16 (four columns at a time, then two,
+// then one), the rows left over through Q4KCols; so are all rows against fewer than
+// Q4K_ROWS16_MIN_COLS columns, where unpacking a group costs more than it saves.
+constexpr int Q4K_ROWS16_MIN_COLS = 4;
+void dot_columns_q4_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+                      size_t ld) {
+    const int nblocks = cols / QK;
+    thread_local Q4KRows16::Group g;
+    int r = 0;
+    for (; n >= Q4K_ROWS16_MIN_COLS && r + 16 <= rows; r += 16) {
+        Q4KRows16::unpack(w + r * row_bytes, row_bytes, nblocks, g);
+        int j = 0;
+        for (; j + 4 <= n; j += 4) Q4KRows16::run<4>(g, nblocks, acts + j, out + j * ld + r, ld);
+        if (j + 2 <= n) {
+            Q4KRows16::run<2>(g, nblocks, acts + j, out + j * ld + r, ld);
+            j += 2;
+        }
+        if (j < n) Q4KRows16::run<1>(g, nblocks, acts + j, out + j * ld + r, ld);
+    }
+    if (r < rows) dot_columns<Q4KCols>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
+}
 
 // q6_k: half n of a 256-value block's 6-bit values (0..63) as two vectors of 64, from its low
 // nibbles [L0 | L1] and high 2-bit pairs [H | H].
@@ -177,7 +353,7 @@ float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
 // operations in order, so the bits are that kernel's ----
 
 
-// q4_k and q5_k (dot_k_affine's order per column): scales, mins and the 64-weight vectors of each
+// q5_k (dot_k_affine's order per column): scales, mins and the 64-weight vectors of each
 // sub-block pair decoded once per block for every column.
 template <bool FIVE>
 struct KAffineN {
@@ -286,7 +462,7 @@ const KernelTable& avx512_kernels() {
         k.dotn[ENC_F32] = dot_columns<F32N>;
         k.dotn[ENC_F16] = dot_columns<F16N>;
         k.dotn[ENC_BF16] = dot_columns<BF16N>;
-        k.dotn[ENC_Q4_K] = dot_columns<KAffineN<false>>;      // (other encodings: dot_many loops over dot)
+        k.dotn[ENC_Q4_K] = dot_columns_q4_k;                 // (other encodings: dot_many loops over dot)
         k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
         k.dotn[ENC_Q6_K] = dot_columns<Q6KN>;
         k.dot[ENC_Q5_0] = dot_q5_0;

@@ -11,6 +11,62 @@ inline void k_scales(const uint8_t* row, __m256& scf, __m256& mf) {
     mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
 }
 
+// ---- q4_k's one order (the AVX2 and AVX-512 kernels, one row or a lane per row) ----
+//
+// Per 256-value block: I_k = the sum of q * x over sub-block k (exact int32), then
+//   block = tree(cvt(I_k) * ((d * sc_k) * dx_k)) - tree((dmin * m_k) * s_k)
+// with tree(v) = ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), and a row's blocks added in
+// order: acc = acc + block. A kernel that holds one row per lane does the same operations lane by
+// lane, so every row has the same bits however many rows or columns a call takes.
+
+// tree(v) over the 8 lanes of v
+inline float tree8(__m256 v) {
+    const __m256 s1 = _mm256_add_ps(v, _mm256_permute_ps(v, 0xB1));      // v0+v1, v2+v3, ...
+    const __m256 s2 = _mm256_add_ps(s1, _mm256_permute_ps(s1, 0x4E));    // (v0+v1)+(v2+v3), ...
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(s2), _mm256_extractf128_ps(s2, 1)));
+}
+
+// 8 x 8 transpose of 32-bit lanes: v[i] lane j -> v[j] lane i
+inline void transpose8(__m256 v[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+// The eight sub-block totals I_k in lanes 0..7, from eight vectors of partial int32 sums (I[k]'s
+// lanes add up to I_k; integer sums, exact in any order).
+inline __m256i q4_k_totals(const __m256i I[8]) {
+    const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[0], I[1]), _mm256_hadd_epi32(I[2], I[3]));
+    const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[4], I[5]), _mm256_hadd_epi32(I[6], I[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+// A q4_k block's d * sc_k and dmin * m_k over k = 0..7.
+inline void q4_k_scales(const uint8_t* blk, __m256& dsc, __m256& dmf) {
+    __m256 scf, mf;
+    k_scales(blk, scf, mf);
+    dsc = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk))), scf);
+    dmf = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(load_u16(blk + 2))), mf);
+}
+
+// One block's value against one column: its totals, scales and the column's block scales d_k and sums s_k.
+inline float q4_k_block(__m256i tot, __m256 dsc, __m256 dmf, const float* d, const float* s) {
+    return tree8(_mm256_mul_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dsc, _mm256_loadu_ps(d)))) -
+           tree8(_mm256_mul_ps(dmf, _mm256_loadu_ps(s)));
+}
+
 // Many columns: K::run<N> computes one row against N <= 4 columns with each weight block decoded
 // once; every column repeats the single-column kernel's operations in its order on its own
 // accumulators, so the results are the same bits, and the N independent accumulator chains hide
