@@ -143,19 +143,25 @@ float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine
 // ---- q4_k in its one order (quant_columns.h; the AVX2 kernels' bits), one row or sixteen rows at
 // once (lanes = rows) ----
 
-// The block's sub-block totals against one column's 256 int8 values x, from its four pairs q[c]
-// (k_pair: sub-blocks 2c | 2c + 1). 128-bit lane L of p[c] holds partial sums of sub-block 2c
-// (L = 0, 1) or 2c + 1 (L = 2, 3); three unpack-and-add steps leave lane 4L + c = the sum over lane
-// L of p[c], then the halves are paired and the totals put in order (integer sums: exact).
-inline __m256i q4_k_dots(const __m512i q[4], const int8_t* x) {
-    __m512i p[4];
-    for (int c = 0; c < 4; ++c) p[c] = dot_u8s8(q[c], loadu(x + 64 * c));
+// Eight int32 totals in order from four vectors whose 128-bit lanes L = 0, 1 hold partial sums of
+// total 2c and L = 2, 3 of total 2c + 1 (p[c]): three unpack-and-add steps leave lane 4L + c = the
+// sum over lane L of p[c], then the halves are paired and the totals put in order (integer sums:
+// exact in any order).
+inline __m256i totals8(const __m512i p[4]) {
     const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
     const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
     const __m512i r = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
-    const __m512i t = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, _MM_SHUFFLE(2, 3, 0, 1)));   // lanes c: I_2c, 8 + c: I_2c+1
+    const __m512i t = _mm512_add_epi32(r, _mm512_shuffle_i32x4(r, r, _MM_SHUFFLE(2, 3, 0, 1)));   // lanes c: 2c, 8 + c: 2c + 1
     const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
     return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, t));
+}
+
+// The block's sub-block totals against one column's 256 int8 values x, from its four pairs q[c]
+// (k_pair: sub-blocks 2c | 2c + 1).
+inline __m256i q4_k_dots(const __m512i q[4], const int8_t* x) {
+    __m512i p[4];
+    for (int c = 0; c < 4; ++c) p[c] = dot_u8s8(q[c], loadu(x + 64 * c));
+    return totals8(p);
 }
 
 // q4_k_block (quant_columns.h) with its two trees in one 512-bit register: the products in lanes
@@ -325,30 +331,6 @@ inline void q6_k_quants(const uint8_t* row, int n, __m512i m4, __m512i m30, __m5
                            _mm512_and_si512(_mm512_mask_blend_epi64(0xF0, H, _mm512_srli_epi16(H, 2)), m30));
 }
 
-float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
-    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), k32 = _mm512_set1_epi8(32);
-    // int16 lane i of a 32-lane vector takes scale (base + i / 8): four 16-weight groups.
-    const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m512 acc = _mm512_setzero_ps();
-    for (int b = 0; b < cols / QK; ++b, row += 210) {
-        prefetch_ahead(row, 210);
-        const float d = h2f(row + 208);
-        const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
-        for (int n = 0; n < 2; ++n) {
-            __m512i q[2];
-            q6_k_quants(row, n, m4, m30, q);
-            for (int h = 0; h < 2; ++h) {
-                const int ab = 8 * b + 4 * n + 2 * h;   // two activation blocks: ab, ab + 1
-                const __m512i x = loadu(a.q8.q + QA * ab);
-                const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[h], x), _mm512_maddubs_epi16(k32, x));
-                const __m512i s16 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(8 * n + 4 * h))), sc16);
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, s16)), halves(d * a.q8.d[ab], d * a.q8.d[ab + 1]), acc);
-            }
-        }
-    }
-    return _mm512_reduce_add_ps(acc);
-}
-
 // ---- many columns (prefill; see quant_columns.h): each column repeats its single-column kernel's
 // operations in order, so the bits are that kernel's ----
 
@@ -399,39 +381,184 @@ struct KAffineN {
     }
 };
 
-// q6_k (dot_q6_k's order per column): the 6-bit values and each group's scales decoded once per
-// block for every column.
-struct Q6KN {
-    static float one(const uint8_t* row, const Act& a, int cols) { return dot_q6_k(row, a, cols); }
+// ---- q6_k, one row or sixteen rows at once (lanes = rows) ----
+//
+// Per 256-value block, per activation block a (32 values: sub-blocks 2a, 2a + 1 of 16):
+//   J_a = sc_2a * I_2a + sc_2a+1 * I_2a+1,  I_g = sum of (q - 32) * x over sub-block g (exact int32),
+//   block = tree(cvt(J_a) * (d * dx_a)),  acc = acc + block  (tree: quant_columns.h's q4_k order).
+// |J_a| < 2^24, so J_a is the same float whether made in int32 or from float products.
+
+// The block's J_0..J_7 against one column's 256 int8 values x, from the block's values q[c]
+// (q6_k_quants: activation blocks 2c | 2c + 1) and scales sc16 (16 int16: sc_0..sc_15).
+inline __m256i q6_k_dots(const __m512i q[4], __m512i sc16, const int8_t* x) {
+    const __m512i k32 = _mm512_set1_epi8(32);
+    // int16 lane i of vector c (64 values, 2 per lane) takes scale 4c + i / 8
+    const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i p[4];
+    for (int c = 0; c < 4; ++c) {
+        const __m512i xc = loadu(x + 64 * c);
+        const __m512i s16 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(4 * c))), sc16);
+        p[c] = _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(q[c], xc), _mm512_maddubs_epi16(k32, xc)), s16);
+    }
+    return totals8(p);
+}
+
+// A q6_k block's 256 values (0..63) as four vectors of 64 in order, and its scales as int16.
+inline void q6_k_decode(const uint8_t* row, __m512i q[4], __m512i& sc16) {
+    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    q6_k_quants(row, 0, m4, m30, q);
+    q6_k_quants(row, 1, m4, m30, q + 2);
+    sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
+}
+
+// One row against N <= 4 columns.
+struct Q6KCols {
     template <int N>
     static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
-        const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30), k32 = _mm512_set1_epi8(32);
-        const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         const Columns<N> x(acts);
-        __m512 acc[N];
-        for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+        float acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = 0.f;
         for (int b = 0; b < cols / QK; ++b, row += 210) {
             prefetch_ahead(row, 210);
-            const float d = h2f(row + 208);
-            const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
-            for (int n = 0; n < 2; ++n) {
-                __m512i q[2];
-                q6_k_quants(row, n, m4, m30, q);
-                for (int h = 0; h < 2; ++h) {
-                    const int ab = 8 * b + 4 * n + 2 * h;
-                    const __m512i s16 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(8 * n + 4 * h))), sc16);
-                    for (int j = 0; j < N; ++j) {
-                        const __m512i xj = loadu(x.q[j] + QA * ab);
-                        const __m512i p = _mm512_sub_epi16(_mm512_maddubs_epi16(q[h], xj), _mm512_maddubs_epi16(k32, xj));
-                        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_madd_epi16(p, s16)),
-                                                 halves(d * x.d[j][ab], d * x.d[j][ab + 1]), acc[j]);
+            __m512i q[4], sc16;
+            q6_k_decode(row, q, sc16);
+            const __m256 d = _mm256_set1_ps(h2f(row + 208));
+            for (int j = 0; j < N; ++j) {
+                const __m256i J = q6_k_dots(q, sc16, x.q[j] + QK * b);
+                acc[j] = acc[j] + tree8(_mm256_mul_ps(_mm256_cvtepi32_ps(J), _mm256_mul_ps(d, _mm256_loadu_ps(x.d[j] + 8 * b))));
+            }
+        }
+        for (int j = 0; j < N; ++j) out[j * stride] = acc[j];
+    }
+    static float one(const uint8_t* row, const Act& a, int cols) {
+        const Act* p = &a;
+        float out;
+        run<1>(row, &p, cols, &out, 0);
+        return out;
+    }
+};
+
+float dot_q6_k(const uint8_t* row, const Act& a, int cols) { return Q6KCols::one(row, a, cols); }
+
+// q6_k against n columns, sixteen rows at a time with a lane per row (Q4KRows16's layout): values
+// [block][activation block a][step s] x 64 bytes, d and the sixteen scales as floats over the rows;
+// per sub-block, VNNI sums q * x (one chain each for 2a and 2a + 1), less 32 times the column's sum
+// of x over it (xs, integers); J_a from float products, exact (see above). dot_q6_k's bits.
+struct Q6KRows16 {
+    struct Group {
+        std::vector<uint8_t> w;     // [blocks][8 a][8 s] x 64 bytes
+        std::vector<float> d, sc;   // [blocks] x 16 rows: d; [blocks][16 g] x 16 rows: sc_g
+    };
+    static void unpack(const uint8_t* w, size_t row_bytes, int nblocks, Group& g) {
+        g.w.resize(static_cast<size_t>(nblocks) * 64 * 64);
+        g.d.resize(static_cast<size_t>(nblocks) * 16);
+        g.sc.resize(static_cast<size_t>(nblocks) * 256);
+        for (int b = 0; b < nblocks; ++b) {
+            for (int r = 0; r < 16; ++r) {
+                const uint8_t* blk = w + r * row_bytes + static_cast<size_t>(b) * 210;
+                g.d[16 * b + r] = h2f(blk + 208);
+                for (int k = 0; k < 16; ++k) g.sc[256 * b + 16 * k + r] = static_cast<float>(static_cast<int8_t>(blk[192 + k]));
+            }
+            for (int half = 0; half < 2; ++half) {
+                __m256 v[8][8];                         // [a][row] as float lanes for the transpose (bits only)
+                for (int r = 0; r < 8; ++r) {
+                    __m512i q[4], sc16;
+                    q6_k_decode(w + (8 * half + r) * row_bytes + static_cast<size_t>(b) * 210, q, sc16);
+                    for (int c = 0; c < 4; ++c) {
+                        v[2 * c][r] = _mm256_castsi256_ps(_mm512_castsi512_si256(q[c]));
+                        v[2 * c + 1][r] = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(q[c], 1));
                     }
+                }
+                for (int a = 0; a < 8; ++a) {
+                    transpose8(v[a]);
+                    for (int s = 0; s < 8; ++s)
+                        _mm256_storeu_ps(reinterpret_cast<float*>(g.w.data() + 64 * (64 * b + 8 * a + s) + 32 * half), v[a][s]);
                 }
             }
         }
-        for (int j = 0; j < N; ++j) out[j * stride] = _mm512_reduce_add_ps(acc[j]);
+    }
+    // xs[16 * b + g]: the column's sum of its int8 values over sub-block g of block b, times 32
+    static void offsets(const int8_t* q, int nblocks, int32_t* xs) {
+        for (int g = 0; g < 16 * nblocks; ++g) {
+            int32_t t = 0;
+            for (int i = 0; i < 16; ++i) t += q[16 * g + i];
+            xs[g] = 32 * t;
+        }
+    }
+    template <int N>
+    static void run(const Group& g, int nblocks, const Act* const* acts, const int32_t* const* xs, float* out, size_t ld) {
+        const Columns<N> x(acts);
+        __m512 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm512_setzero_ps();
+        for (int b = 0; b < nblocks; ++b) {
+            const __m512 db = _mm512_loadu_ps(g.d.data() + 16 * b);
+            __m512 left[N], right[N];   // (p0 + p1) + (p2 + p3) and (p4 + p5) + (p6 + p7), built in that order
+            for (int a = 0; a < 8; a += 2) {
+                __m512 pair[N][2];
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t* wa = g.w.data() + 64 * (64 * b + 8 * (a + h));
+                    __m512i i0[N], i1[N];
+                    for (int j = 0; j < N; ++j) i0[j] = i1[j] = _mm512_setzero_si512();
+                    for (int s = 0; s < 4; ++s) {
+                        const __m512i w0 = loadu(wa + 64 * s), w1 = loadu(wa + 64 * (s + 4));
+                        for (int j = 0; j < N; ++j) {
+                            const int8_t* xa = x.q[j] + QK * b + 32 * (a + h) + 4 * s;
+                            i0[j] = _mm512_dpbusd_epi32(i0[j], w0, Q4KRows16::bcast4(xa));
+                            i1[j] = _mm512_dpbusd_epi32(i1[j], w1, Q4KRows16::bcast4(xa + 16));
+                        }
+                    }
+                    const int ga = 16 * b + 2 * (a + h);
+                    const __m512 s0 = _mm512_loadu_ps(g.sc.data() + 16 * ga), s1 = _mm512_loadu_ps(g.sc.data() + 16 * (ga + 1));
+                    for (int j = 0; j < N; ++j) {
+                        const __m512 J = _mm512_add_ps(
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i0[j], _mm512_set1_epi32(xs[j][ga]))), s0),
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(i1[j], _mm512_set1_epi32(xs[j][ga + 1]))), s1));
+                        pair[j][h] = _mm512_mul_ps(J, _mm512_mul_ps(db, _mm512_set1_ps(x.d[j][8 * b + a + h])));
+                    }
+                }
+                for (int j = 0; j < N; ++j) {
+                    const __m512 pr = _mm512_add_ps(pair[j][0], pair[j][1]);
+                    if (a == 0) left[j] = pr;
+                    else if (a == 2) left[j] = _mm512_add_ps(left[j], pr);
+                    else if (a == 4) right[j] = pr;
+                    else right[j] = _mm512_add_ps(right[j], pr);
+                }
+            }
+            for (int j = 0; j < N; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(left[j], right[j]));
+        }
+        for (int j = 0; j < N; ++j) _mm512_storeu_ps(out + j * ld, acc[j]);
     }
 };
+
+// dot_columns for q6_k: sixteen-row groups through Q6KRows16 for >= Q6K_ROWS16_MIN_COLS columns
+// (each column's offsets once for the call), the rest through Q6KCols.
+constexpr int Q6K_ROWS16_MIN_COLS = 4;
+void dot_columns_q6_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+                      size_t ld) {
+    const int nblocks = cols / QK;
+    int r = 0;
+    if (n >= Q6K_ROWS16_MIN_COLS && rows >= 16) {
+        thread_local Q6KRows16::Group g;
+        thread_local std::vector<int32_t> xs;
+        xs.resize(static_cast<size_t>(n) * 16 * nblocks);
+        std::vector<const int32_t*> xp(n);
+        for (int j = 0; j < n; ++j) {
+            Q6KRows16::offsets(acts[j]->q8.q, nblocks, xs.data() + static_cast<size_t>(j) * 16 * nblocks);
+            xp[j] = xs.data() + static_cast<size_t>(j) * 16 * nblocks;
+        }
+        for (; r + 16 <= rows; r += 16) {
+            Q6KRows16::unpack(w + r * row_bytes, row_bytes, nblocks, g);
+            int j = 0;
+            for (; j + 4 <= n; j += 4) Q6KRows16::run<4>(g, nblocks, acts + j, xp.data() + j, out + j * ld + r, ld);
+            if (j + 2 <= n) {
+                Q6KRows16::run<2>(g, nblocks, acts + j, xp.data() + j, out + j * ld + r, ld);
+                j += 2;
+            }
+            if (j < n) Q6KRows16::run<1>(g, nblocks, acts + j, xp.data() + j, out + j * ld + r, ld);
+        }
+    }
+    if (r < rows) dot_columns<Q6KCols>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
+}
 
 // the added block types (256-bit kernels, compiled here for this ISA)
 #include "quant_simd_types.h"
@@ -464,7 +591,7 @@ const KernelTable& avx512_kernels() {
         k.dotn[ENC_BF16] = dot_columns<BF16N>;
         k.dotn[ENC_Q4_K] = dot_columns_q4_k;                 // (other encodings: dot_many loops over dot)
         k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
-        k.dotn[ENC_Q6_K] = dot_columns<Q6KN>;
+        k.dotn[ENC_Q6_K] = dot_columns_q6_k;
         k.dot[ENC_Q5_0] = dot_q5_0;
         k.dot[ENC_IQ4_NL] = dot_iq4_nl;
         k.dot[ENC_MXFP4] = dot_mxfp4;
