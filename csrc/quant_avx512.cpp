@@ -389,26 +389,27 @@ struct KAffineN {
 // |J_a| < 2^24, so J_a is the same float whether made in int32 or from float products.
 
 // The block's J_0..J_7 against one column's 256 int8 values x, from the block's values q[c]
-// (q6_k_quants: activation blocks 2c | 2c + 1) and scales sc16 (16 int16: sc_0..sc_15).
-inline __m256i q6_k_dots(const __m512i q[4], __m512i sc16, const int8_t* x) {
+// (activation blocks 2c | 2c + 1) and scales s16[c] (q6_k_decode).
+inline __m256i q6_k_dots(const __m512i q[4], const __m512i s16[4], const int8_t* x) {
     const __m512i k32 = _mm512_set1_epi8(32);
-    // int16 lane i of vector c (64 values, 2 per lane) takes scale 4c + i / 8
-    const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     __m512i p[4];
     for (int c = 0; c < 4; ++c) {
         const __m512i xc = loadu(x + 64 * c);
-        const __m512i s16 = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(4 * c))), sc16);
-        p[c] = _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(q[c], xc), _mm512_maddubs_epi16(k32, xc)), s16);
+        p[c] = _mm512_madd_epi16(_mm512_sub_epi16(_mm512_maddubs_epi16(q[c], xc), _mm512_maddubs_epi16(k32, xc)), s16[c]);
     }
     return totals8(p);
 }
 
-// A q6_k block's 256 values (0..63) as four vectors of 64 in order, and its scales as int16.
-inline void q6_k_decode(const uint8_t* row, __m512i q[4], __m512i& sc16) {
+// A q6_k block's 256 values (0..63) as four vectors of 64 in order (q6_k_quants: activation blocks
+// 2c | 2c + 1), and for each its scales as int16 lanes (lane i of vector c: sub-block 4c + i / 8).
+inline void q6_k_decode(const uint8_t* row, __m512i q[4], __m512i s16[4]) {
     const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+    const __m512i idx0 = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
     q6_k_quants(row, 0, m4, m30, q);
     q6_k_quants(row, 1, m4, m30, q + 2);
-    sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
+    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192))));
+    for (int c = 0; c < 4; ++c)
+        s16[c] = _mm512_permutexvar_epi16(_mm512_add_epi16(idx0, _mm512_set1_epi16(static_cast<short>(4 * c))), sc16);
 }
 
 // One row against N <= 4 columns.
@@ -420,11 +421,11 @@ struct Q6KCols {
         for (int j = 0; j < N; ++j) acc[j] = 0.f;
         for (int b = 0; b < cols / QK; ++b, row += 210) {
             prefetch_ahead(row, 210);
-            __m512i q[4], sc16;
-            q6_k_decode(row, q, sc16);
+            __m512i q[4], s16[4];
+            q6_k_decode(row, q, s16);
             const __m256 d = _mm256_set1_ps(h2f(row + 208));
             for (int j = 0; j < N; ++j) {
-                const __m256i J = q6_k_dots(q, sc16, x.q[j] + QK * b);
+                const __m256i J = q6_k_dots(q, s16, x.q[j] + QK * b);
                 acc[j] = acc[j] + tree8(_mm256_mul_ps(_mm256_cvtepi32_ps(J), _mm256_mul_ps(d, _mm256_loadu_ps(x.d[j] + 8 * b))));
             }
         }
@@ -462,8 +463,11 @@ struct Q6KRows16 {
             for (int half = 0; half < 2; ++half) {
                 __m256 v[8][8];                         // [a][row] as float lanes for the transpose (bits only)
                 for (int r = 0; r < 8; ++r) {
-                    __m512i q[4], sc16;
-                    q6_k_decode(w + (8 * half + r) * row_bytes + static_cast<size_t>(b) * 210, q, sc16);
+                    __m512i q[4];
+                    const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+                    const uint8_t* blk = w + (8 * half + r) * row_bytes + static_cast<size_t>(b) * 210;
+                    q6_k_quants(blk, 0, m4, m30, q);
+                    q6_k_quants(blk, 1, m4, m30, q + 2);
                     for (int c = 0; c < 4; ++c) {
                         v[2 * c][r] = _mm256_castsi256_ps(_mm512_castsi512_si256(q[c]));
                         v[2 * c + 1][r] = _mm256_castsi256_ps(_mm512_extracti64x4_epi64(q[c], 1));
