@@ -84,7 +84,7 @@ def dram_read_gbs(gib: float, threads: int, repeats: int) -> float:
 PREFILL_SHAPE = {"hidden": 1024, "inter": 512, "experts": 128, "top_k": 8}
 
 
-def prefill_rows(pairs: list, tokens_list: list, threads_list, repeats: int) -> list:
+def prefill_rows(pairs: list, tokens_list: list, threads_list, repeats: int, isa: str = "auto") -> list:
     """ms per moe_prefill call of one layer (all 128 experts' weights: beyond the last-level cache)."""
     hidden, inter, num, top_k = (PREFILL_SHAPE[k] for k in ("hidden", "inter", "experts", "top_k"))
     rows = []
@@ -104,7 +104,7 @@ def prefill_rows(pairs: list, tokens_list: list, threads_list, repeats: int) -> 
             out = torch.zeros_like(x)
             for t in threads_list:
                 def call():
-                    native.moe_prefill(x, chosen, counts, tokens, weights, out, threads=t)
+                    native.moe_prefill(x, chosen, counts, tokens, weights, out, threads=t, isa=isa)
                 call()
                 best = float("inf")
                 for _ in range(repeats):
@@ -127,18 +127,18 @@ def prefill_compare(args, threads_list) -> dict:
         for label, tree in trees.items():
             cmd = [sys.executable, str(Path(__file__).resolve()), "--prefill-worker", "--prefill-pairs", args.prefill_pairs,
                    "--prefill-tokens", args.prefill_tokens, "--repeats", str(args.repeats),
-                   "--threads", ",".join(map(str, threads_list))]
+                   "--threads", ",".join(map(str, threads_list)), "--prefill-isa", args.prefill_isa]
             res = subprocess.run(cmd, env={**os.environ, "LQF_BENCH_TREE": tree}, capture_output=True, text=True, check=True)
             for r in json.loads(res.stdout.strip().splitlines()[-1]):
                 key = (r["pair"], r["tokens"], r["threads"])
                 cell = best.setdefault(key, {})
                 cell[label] = min(cell.get(label, float("inf")), r["ms"])
-    return {"trees": trees, "rows": [{"pair": k[0], "tokens": k[1], "threads": k[2], **v} for k, v in best.items()]}
+    return {"trees": trees, "isa": args.prefill_isa, "rows": [{"pair": k[0], "tokens": k[1], "threads": k[2], **v} for k, v in best.items()]}
 
 
 def print_prefill(pre: dict) -> None:
     shape = PREFILL_SHAPE
-    print(f"\none MoE layer, many tokens (moe_prefill): {shape['experts']} experts x (gate_up [{2 * shape['inter']}, "
+    print(f"\none MoE layer, many tokens (moe_prefill, isa {pre.get('isa', 'auto')}): {shape['experts']} experts x (gate_up [{2 * shape['inter']}, "
           f"{shape['hidden']}] + down [{shape['hidden']}, {shape['inter']}]), top-{shape['top_k']}; ms per call, "
           "best of all rounds (tok/s of this layer alone)")
     labels = list(pre["trees"])
@@ -166,12 +166,14 @@ def main() -> int:
     ap.add_argument("--baseline", help="a checkout with its native build (e.g. a worktree of the tree before a change): "
                     "its moe_prefill rows are timed beside this tree's")
     ap.add_argument("--prefill-only", action="store_true", help="only the moe_prefill rows")
+    ap.add_argument("--prefill-isa", default="auto", help="the moe_prefill rows' kernel path: auto (the best this CPU "
+                    "has), avx2, avx512 or scalar (e.g. avx2 on an AVX-512 machine, to time the AVX2 kernels)")
     ap.add_argument("--prefill-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     threads_list = tuple(int(t) for t in args.threads.split(","))
     tokens_list = [int(t) for t in args.prefill_tokens.split(",") if t]
     if args.prefill_worker:
-        print(json.dumps(prefill_rows(args.prefill_pairs.split(","), tokens_list, threads_list, args.repeats)))
+        print(json.dumps(prefill_rows(args.prefill_pairs.split(","), tokens_list, threads_list, args.repeats, args.prefill_isa)))
         return 0
     if args.prefill_only:
         pre = prefill_compare(args, threads_list)

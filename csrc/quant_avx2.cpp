@@ -162,7 +162,7 @@ inline __m256i q4_k_dots(const __m256i lo[4], const __m256i hi[4], const int8_t*
         I[2 * c] = dot_u8s8(lo[c], loadu(x + 64 * c));
         I[2 * c + 1] = dot_u8s8(hi[c], loadu(x + 64 * c + 32));
     }
-    return q4_k_totals(I);
+    return lane_totals8(I);
 }
 
 // One row against N <= 4 columns (a few tokens each expert: short prompts), dot_q4_k's bits.
@@ -293,28 +293,6 @@ void dot_columns_q4_k(const uint8_t* w, size_t row_bytes, int rows, const Act* c
 }
 float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<true>(row, a, cols); }
 
-float dot_q6_k(const uint8_t* row, const Act& a, int cols) {
-    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30), k32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
-    for (int b = 0; b < cols / QK; ++b, row += 210) {
-        prefetch_ahead(row, 210);
-        const float d = h2f(row + 208);
-        const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
-        for (int n = 0; n < 2; ++n) {
-            __m256i q[4];
-            q6_k_quants(row, n, m4, m30, q);
-            for (int k = 0; k < 4; ++k) {
-                const int ab = 8 * b + 4 * n + k;
-                const __m256i x = loadu(a.q8.q + QA * ab);
-                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], x), _mm256_maddubs_epi16(k32, x));
-                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_set1_ps(d * a.q8.d[ab]), acc);
-            }
-        }
-    }
-    return hsum(acc);
-}
-
 // ---- many columns: one row against n activation vectors (prefill; see quant_columns.h) ----
 
 
@@ -392,66 +370,162 @@ struct KAffineN {
     }
 };
 
-// q6_k (dot_q6_k's order per column): the 6-bit values and the sub-block scales decoded once per
-// row; the -32 offset's products maddubs(32, x), which depend on the column only, once per column
-// for all the rows of the tile (off: 16 int16 per 32 activations, the same integers).
-struct Q6KN {
-    static void offsets(const int8_t* q, int cols, int16_t* off) {
-        const __m256i k32 = _mm256_set1_epi8(32);
-        for (int ab = 0; ab < cols / QA; ++ab)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(off + 16 * ab), _mm256_maddubs_epi16(k32, loadu(q + QA * ab)));
-    }
+// ---- q6_k in its one order (quant_avx512.cpp's: the same bits), one row or eight rows at once ----
+//
+// Per 256-value block, per activation block a (32 values: sub-blocks 2a, 2a + 1 of 16):
+//   J_a = sc_2a * I_2a + sc_2a+1 * I_2a+1,  I_g = sum of (q - 32) * x over sub-block g (exact int32),
+//   block = tree(cvt(J_a) * (d * dx_a)),  acc = acc + block  (tree8, quant_columns.h).
+// |J_a| < 2^24, so J_a is the same float whether made in int32 or from float products.
+
+// A q6_k block's values q[a] (activation block a: 32 values, 0..63) and scales s16[a] (int16
+// lanes 0..7: sc_2a, 8..15: sc_2a+1).
+inline void q6_k_decode(const uint8_t* row, __m256i q[8], __m256i s16[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    q6_k_quants(row, 0, m4, m30, q);
+    q6_k_quants(row, 1, m4, m30, q + 4);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
+    for (int a = 0; a < 8; ++a) s16[a] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * a + 1]), _mm_set1_epi16(sc[2 * a]));
+}
+
+// One row against N <= 4 columns.
+struct Q6KCols {
     template <int N>
-    static void run(const uint8_t* row, const Act* const* acts, const int16_t* const* off, int cols, float* out, size_t stride) {
-        const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
+        const __m256i k32 = _mm256_set1_epi8(32);
         const Columns<N> x(acts);
-        __m256 acc[N];
-        for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
-        alignas(32) float dd[N][8];     // column j's d * (activation scale) per 32 values
+        float acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = 0.f;
         for (int b = 0; b < cols / QK; ++b, row += 210) {
             prefetch_ahead(row, 210);
-            const float d = h2f(row + 208);
-            const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
-            for (int j = 0; j < N; ++j) _mm256_store_ps(dd[j], _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(x.d[j] + 8 * b)));
-            for (int n = 0; n < 2; ++n) {
-                __m256i q[4];
-                q6_k_quants(row, n, m4, m30, q);
-                for (int k = 0; k < 4; ++k) {
-                    const int ab = 8 * b + 4 * n + k;
-                    const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * n + 2 * k + 1]), _mm_set1_epi16(sc[8 * n + 2 * k]));
-                    for (int j = 0; j < N; ++j) {
-                        const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], loadu(x.q[j] + QA * ab)), loadu(off[j] + 16 * ab));
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, s16)), _mm256_broadcast_ss(&dd[j][4 * n + k]), acc[j]);
-                    }
+            __m256i q[8], s16[8];
+            q6_k_decode(row, q, s16);
+            const __m256 d = _mm256_set1_ps(h2f(row + 208));
+            for (int j = 0; j < N; ++j) {
+                __m256i P[8];
+                for (int a = 0; a < 8; ++a) {
+                    const __m256i xa = loadu(x.q[j] + QK * b + QA * a);
+                    P[a] = _mm256_madd_epi16(_mm256_sub_epi16(_mm256_maddubs_epi16(q[a], xa), _mm256_maddubs_epi16(k32, xa)), s16[a]);
                 }
+                acc[j] = acc[j] + tree8(_mm256_mul_ps(_mm256_cvtepi32_ps(lane_totals8(P)), _mm256_mul_ps(d, _mm256_loadu_ps(x.d[j] + 8 * b))));
             }
         }
-        for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]);
+        for (int j = 0; j < N; ++j) out[j * stride] = acc[j];
+    }
+    static float one(const uint8_t* row, const Act& a, int cols) {
+        const Act* p = &a;
+        float out;
+        run<1>(row, &p, cols, &out, 0);
+        return out;
     }
 };
 
-// dot_columns for q6_k: each group of four columns' offsets computed once for all the rows.
-void dot_columns_q6_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
-                      size_t ld) {
-    const int nb = cols / QA;
-    thread_local std::vector<int16_t> off;     // (int16 and unaligned loads: no over-aligned vector type)
-    off.resize(static_cast<size_t>(4) * 16 * nb);
-    const int16_t* offs[4] = {off.data(), off.data() + 16 * nb, off.data() + 32 * nb, off.data() + 48 * nb};
-    for (int j = 0; j < n; j += 4) {
-        const int g = std::min(4, n - j);
-        if (g > 1)
-            for (int c = 0; c < g; ++c) Q6KN::offsets(acts[j + c]->q8.q, cols, off.data() + 16 * c * nb);
-        for (int r = 0; r < rows; ++r) {
-            const uint8_t* row = w + r * row_bytes;
-            float* o = out + j * ld + r;
-            switch (g) {
-                case 4: Q6KN::run<4>(row, acts + j, offs, cols, o, ld); break;
-                case 3: Q6KN::run<3>(row, acts + j, offs, cols, o, ld); break;
-                case 2: Q6KN::run<2>(row, acts + j, offs, cols, o, ld); break;
-                default: *o = dot_q6_k(row, *acts[j], cols); break;
+float dot_q6_k(const uint8_t* row, const Act& a, int cols) { return Q6KCols::one(row, a, cols); }
+
+// q6_k against n columns, eight rows at a time with a lane per row (Q4KRows8's layout): values
+// [block][activation block a][step s] x 32 bytes, d and the sixteen scales as floats over the rows;
+// per sub-block, sums of q * x (two steps' products in int16: at most 2 * 2 * 63 * 128 < 2^15,
+// then madd) less 32 times the column's sum of x over it; J_a from float products, exact (above).
+// dot_q6_k's bits.
+struct Q6KRows8 {
+    struct Group {
+        std::vector<uint8_t> w;     // [blocks][8 a][8 s] x 32 bytes
+        std::vector<float> d, sc;   // [blocks] x 8 rows: d; [blocks][16 g] x 8 rows: sc_g
+    };
+    static void unpack(const uint8_t* w, size_t row_bytes, int nblocks, Group& g) {
+        const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+        g.w.resize(static_cast<size_t>(nblocks) * 64 * 32);
+        g.d.resize(static_cast<size_t>(nblocks) * 8);
+        g.sc.resize(static_cast<size_t>(nblocks) * 128);
+        for (int b = 0; b < nblocks; ++b) {
+            __m256 v[8][8];                             // [a][row] as float lanes for the transpose (bits only)
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t* blk = w + r * row_bytes + static_cast<size_t>(b) * 210;
+                g.d[8 * b + r] = h2f(blk + 208);
+                for (int k = 0; k < 16; ++k) g.sc[128 * b + 8 * k + r] = static_cast<float>(static_cast<int8_t>(blk[192 + k]));
+                __m256i q[8];
+                q6_k_quants(blk, 0, m4, m30, q);
+                q6_k_quants(blk, 1, m4, m30, q + 4);
+                for (int a = 0; a < 8; ++a) v[a][r] = _mm256_castsi256_ps(q[a]);
+            }
+            for (int a = 0; a < 8; ++a) {
+                transpose8(v[a]);                       // row r's values 4s..4s+3 -> vector s, lane r
+                for (int s = 0; s < 8; ++s) _mm256_storeu_ps(reinterpret_cast<float*>(g.w.data() + 32 * (64 * b + 8 * a + s)), v[a][s]);
             }
         }
     }
+    static __m256i bcast4(const int8_t* p) {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        return _mm256_set1_epi32(v);
+    }
+    // the sum over one 16-value sub-block (four steps from ws) for the eight rows
+    static __m256i sub_block(const uint8_t* ws, const int8_t* x) {
+        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256i m0 = _mm256_add_epi16(_mm256_maddubs_epi16(loadu(ws), bcast4(x)), _mm256_maddubs_epi16(loadu(ws + 32), bcast4(x + 4)));
+        const __m256i m1 = _mm256_add_epi16(_mm256_maddubs_epi16(loadu(ws + 64), bcast4(x + 8)), _mm256_maddubs_epi16(loadu(ws + 96), bcast4(x + 12)));
+        return _mm256_add_epi32(_mm256_madd_epi16(m0, ones), _mm256_madd_epi16(m1, ones));
+    }
+    template <int N>
+    static void run(const Group& g, int nblocks, const Act* const* acts, const int32_t* const* xs, float* out, size_t ld) {
+        const Columns<N> x(acts);
+        __m256 acc[N];
+        for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
+        for (int b = 0; b < nblocks; ++b) {
+            const __m256 db = _mm256_loadu_ps(g.d.data() + 8 * b);
+            __m256 left[N], right[N];   // (p0 + p1) + (p2 + p3) and (p4 + p5) + (p6 + p7), built in that order
+            for (int j = 0; j < N; ++j) left[j] = right[j] = _mm256_setzero_ps();     // (set at a = 0 and 4)
+            for (int a = 0; a < 8; a += 2) {
+                __m256 pair[N][2];
+                for (int h = 0; h < 2; ++h) {
+                    const uint8_t* wa = g.w.data() + 32 * (64 * b + 8 * (a + h));
+                    const int ga = 16 * b + 2 * (a + h);
+                    const __m256 s0 = _mm256_loadu_ps(g.sc.data() + 8 * ga), s1 = _mm256_loadu_ps(g.sc.data() + 8 * (ga + 1));
+                    for (int j = 0; j < N; ++j) {
+                        const int8_t* xa = x.q[j] + QK * b + QA * (a + h);
+                        const __m256i i0 = _mm256_sub_epi32(sub_block(wa, xa), _mm256_set1_epi32(xs[j][ga]));
+                        const __m256i i1 = _mm256_sub_epi32(sub_block(wa + 128, xa + 16), _mm256_set1_epi32(xs[j][ga + 1]));
+                        const __m256 J = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(i0), s0), _mm256_mul_ps(_mm256_cvtepi32_ps(i1), s1));
+                        pair[j][h] = _mm256_mul_ps(J, _mm256_mul_ps(db, _mm256_set1_ps(x.d[j][8 * b + a + h])));
+                    }
+                }
+                for (int j = 0; j < N; ++j) {
+                    const __m256 pr = _mm256_add_ps(pair[j][0], pair[j][1]);
+                    if (a == 0) left[j] = pr;
+                    else if (a == 2) left[j] = _mm256_add_ps(left[j], pr);
+                    else if (a == 4) right[j] = pr;
+                    else right[j] = _mm256_add_ps(right[j], pr);
+                }
+            }
+            for (int j = 0; j < N; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_add_ps(left[j], right[j]));
+        }
+        for (int j = 0; j < N; ++j) _mm256_storeu_ps(out + j * ld, acc[j]);
+    }
+};
+
+// dot_columns for q6_k: eight-row groups through Q6KRows8 for >= Q6K_ROWS8_MIN_COLS columns (each
+// column's offsets once for the call, two columns a pass), the rest through Q6KCols.
+constexpr int Q6K_ROWS8_MIN_COLS = 4;
+void dot_columns_q6_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+                      size_t ld) {
+    const int nblocks = cols / QK;
+    int r = 0;
+    if (n >= Q6K_ROWS8_MIN_COLS && rows >= 8) {
+        thread_local Q6KRows8::Group g;
+        thread_local std::vector<int32_t> xs;
+        xs.resize(static_cast<size_t>(n) * 16 * nblocks);
+        std::vector<const int32_t*> xp(n);
+        for (int j = 0; j < n; ++j) {
+            xp[j] = xs.data() + static_cast<size_t>(j) * 16 * nblocks;
+            q6_k_offsets(acts[j]->q8.q, nblocks, xs.data() + static_cast<size_t>(j) * 16 * nblocks);
+        }
+        for (; r + 8 <= rows; r += 8) {
+            Q6KRows8::unpack(w + r * row_bytes, row_bytes, nblocks, g);
+            int j = 0;
+            for (; j + 2 <= n; j += 2) Q6KRows8::run<2>(g, nblocks, acts + j, xp.data() + j, out + j * ld + r, ld);
+            if (j < n) Q6KRows8::run<1>(g, nblocks, acts + j, xp.data() + j, out + j * ld + r, ld);
+        }
+    }
+    if (r < rows) dot_columns<Q6KCols>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
 }
 
 // the added block types (256-bit kernels, compiled here for this ISA)

@@ -481,14 +481,6 @@ struct Q6KRows16 {
             }
         }
     }
-    // xs[16 * b + g]: the column's sum of its int8 values over sub-block g of block b, times 32
-    static void offsets(const int8_t* q, int nblocks, int32_t* xs) {
-        for (int g = 0; g < 16 * nblocks; ++g) {
-            int32_t t = 0;
-            for (int i = 0; i < 16; ++i) t += q[16 * g + i];
-            xs[g] = 32 * t;
-        }
-    }
     template <int N>
     static void run(const Group& g, int nblocks, const Act* const* acts, const int32_t* const* xs, float* out, size_t ld) {
         const Columns<N> x(acts);
@@ -547,7 +539,7 @@ void dot_columns_q6_k(const uint8_t* w, size_t row_bytes, int rows, const Act* c
         xs.resize(static_cast<size_t>(n) * 16 * nblocks);
         std::vector<const int32_t*> xp(n);
         for (int j = 0; j < n; ++j) {
-            Q6KRows16::offsets(acts[j]->q8.q, nblocks, xs.data() + static_cast<size_t>(j) * 16 * nblocks);
+            q6_k_offsets(acts[j]->q8.q, nblocks, xs.data() + static_cast<size_t>(j) * 16 * nblocks);
             xp[j] = xs.data() + static_cast<size_t>(j) * 16 * nblocks;
         }
         for (; r + 16 <= rows; r += 16) {

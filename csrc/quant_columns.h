@@ -45,9 +45,9 @@ inline void transpose8(__m256 v[8]) {
     }
 }
 
-// The eight sub-block totals I_k in lanes 0..7, from eight vectors of partial int32 sums (I[k]'s
-// lanes add up to I_k; integer sums, exact in any order).
-inline __m256i q4_k_totals(const __m256i I[8]) {
+// Eight totals in lanes 0..7, from eight vectors of partial int32 sums (I[k]'s lanes add up to
+// total k; integer sums, exact in any order).
+inline __m256i lane_totals8(const __m256i I[8]) {
     const __m256i g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[0], I[1]), _mm256_hadd_epi32(I[2], I[3]));
     const __m256i g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(I[4], I[5]), _mm256_hadd_epi32(I[6], I[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
@@ -65,6 +65,16 @@ inline void q4_k_scales(const uint8_t* blk, __m256& dsc, __m256& dmf) {
 inline float q4_k_block(__m256i tot, __m256 dsc, __m256 dmf, const float* d, const float* s) {
     return tree8(_mm256_mul_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(dsc, _mm256_loadu_ps(d)))) -
            tree8(_mm256_mul_ps(dmf, _mm256_loadu_ps(s)));
+}
+
+// q6_k's group kernels sum q * x (q = 0..63) and subtract 32 times the column's sum of x over each
+// 16-value sub-block: xs[16 * b + g] = 32 * that sum for sub-block g of block b.
+inline void q6_k_offsets(const int8_t* q, int nblocks, int32_t* xs) {
+    for (int g = 0; g < 16 * nblocks; ++g) {
+        int32_t t = 0;
+        for (int i = 0; i < 16; ++i) t += q[16 * g + i];
+        xs[g] = 32 * t;
+    }
 }
 
 // Many columns: K::run<N> computes one row against N <= 4 columns with each weight block decoded

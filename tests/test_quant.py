@@ -172,19 +172,21 @@ def test_multi_column_kernels_equal_the_single_column_ones(isa, name):
     assert torch.equal(_gemm(weight, x, isa, threads=1), _gemm(weight, x, isa, threads=3))
 
 
-def test_q4_k_has_one_order_on_every_simd_isa():
-    """q4_k's AVX2 and AVX-512 kernels add a block's sub-block sums in one fixed tree, one row or
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_k_quants_have_one_order_on_every_simd_isa(name):
+    """q4_k and q6_k on AVX2 and AVX-512 add a block's sub-block sums in one fixed tree, one row or
     eight / sixteen rows a lane each: the same bits on both ISAs, for one token and for many (the
-    grouped-rows prefill kernel takes >= 4 tokens and full groups of rows; 37 rows leave a tail)."""
+    grouped-rows prefill kernels take >= 4 tokens and full groups of rows; 37 rows leave a tail)."""
     simd = [isa for isa in native.ISAS if isa != "scalar"]
     if len(simd) < 2:
         pytest.skip(f"this CPU runs only {simd}: the cross-ISA comparison needs AVX2 and AVX-512")
     gen = torch.Generator().manual_seed(5)
-    weight, _ = _weight("q4_k", 37, 4 * 256, gen)
+    weight, _ = _weight(name, 37, 4 * 256, gen)
     for n in (1, 3, 4, 9, 33):
         x = torch.randn(n, 4 * 256, generator=gen)
+        x[0, :32] *= 50                                       # a block with outliers
         got = {isa: _gemm(weight, x, isa) for isa in simd}
-        assert torch.equal(got["avx2"], got["avx512"]), n
+        assert torch.equal(got["avx2"], got["avx512"]), (name, n)
         assert torch.equal(got["avx2"][0], native.gemv(weight, x[0], isa="avx512", threads=1))
 
 
