@@ -93,66 +93,16 @@ static inline void q6_k_quants(const uint8_t* row, int n, __m256i m4, __m256i m3
     q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(L1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
 }
 
-// q4_k / q5_k: sub-block pair c's 64 weights from 32 bytes of nibbles (low nibbles: the first 32,
-// high: the next) plus, for q5_k, the fifth bit of each from qh (bits 2c and 2c+1 of each byte).
+// ---- q4_k and q5_k in their one order (quant_columns.h), one row or eight rows at once (lanes = rows) ----
+
+// A q4_k / q5_k block's values (lo[c], hi[c]: sub-blocks 2c and 2c + 1) and scales, decoded once
+// for any number of columns.
 template <bool FIVE>
-static inline void k_quants(__m256i qb, __m256i qh, int c, __m256i m4, __m256i& lo, __m256i& hi) {
-    lo = _mm256_and_si256(qb, m4);
-    hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
-    if (FIVE) {
-        const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
-        const __m256i bh = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
-        const __m256i sixteen = _mm256_set1_epi8(16);
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
-    }
-}
-
-// q4_k and q5_k: value = d*sc_j*q - dmin*m_j. The q part runs in integers per sub-block; the
-// mins part is dmin * sum_j m_j * s_j with s_j the activation block sums.
-template <bool FIVE>
-float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
-    constexpr int BB = FIVE ? 176 : 144;
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    // two FMA chains, not one: the low halves of the sub-block pairs, and the high halves with the
-    // mins subtracted (the multi-column kernel keeps two registers per column, as before)
-    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    for (int b = 0; b < cols / QK; ++b, row += BB) {
-        prefetch_ahead(row, BB);
-        __m256 scf, mf;
-        k_scales(row, scf, mf);
-        const float* da = a.q8.d + 8 * b;
-        const __m256 eff = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf), _mm256_loadu_ps(da));
-        acc2 = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), acc2);
-        const uint8_t* qs = row + (FIVE ? 48 : 16);
-        const int8_t* x = a.q8.q + QK * b;
-        __m256i qh;
-        if (FIVE) qh = loadu(row + 16);
-        for (int c = 0; c < 4; ++c) {
-            const __m256i qb = loadu(qs + 32 * c);
-            __m256i lo, hi;
-            k_quants<FIVE>(qb, qh, c, m4, lo, hi);
-            const __m256i pl = dot_u8s8(lo, loadu(x + 64 * c));
-            const __m256i ph = dot_u8s8(hi, loadu(x + 64 * c + 32));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_permutevar8x32_ps(eff, _mm256_set1_epi32(2 * c)), acc);
-            acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_permutevar8x32_ps(eff, _mm256_set1_epi32(2 * c + 1)), acc2);
-        }
-    }
-    return hsum(_mm256_add_ps(acc, acc2));
-}
-
-// ---- q4_k in its one order (quant_columns.h), one row or eight rows at once (lanes = rows) ----
-
-// A q4_k block's nibbles (lo[c], hi[c]: sub-blocks 2c and 2c + 1) and scales, decoded once for any
-// number of columns.
-inline void q4_k_decode(const uint8_t* blk, __m256i lo[4], __m256i hi[4], __m256& dsc, __m256& dmf) {
+inline void k_decode(const uint8_t* blk, __m256i lo[4], __m256i hi[4], __m256& dsc, __m256& dmf) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     q4_k_scales(blk, dsc, dmf);
-    for (int c = 0; c < 4; ++c) {
-        const __m256i qb = loadu(blk + 16 + 32 * c);
-        lo[c] = _mm256_and_si256(qb, m4);
-        hi[c] = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
-    }
+    const __m256i qh = FIVE ? loadu(blk + 16) : _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) k_quants<FIVE>(loadu(blk + (FIVE ? 48 : 16) + 32 * c), qh, c, m4, lo[c], hi[c]);
 }
 
 // The block's sub-block totals against one column's 256 int8 values x.
@@ -165,18 +115,20 @@ inline __m256i q4_k_dots(const __m256i lo[4], const __m256i hi[4], const int8_t*
     return lane_totals8(I);
 }
 
-// One row against N <= 4 columns (a few tokens each expert: short prompts), dot_q4_k's bits.
-struct Q4KCols {
+// One row against N <= 4 columns (a few tokens each expert: short prompts), the GEMV's bits.
+template <bool FIVE>
+struct KCols {
+    static constexpr int BB = FIVE ? 176 : 144;
     template <int N>
     static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
         const Columns<N> x(acts);
         float acc[N];
         for (int j = 0; j < N; ++j) acc[j] = 0.f;
-        for (int b = 0; b < cols / QK; ++b, row += 144) {
-            prefetch_ahead(row, 144);
+        for (int b = 0; b < cols / QK; ++b, row += BB) {
+            prefetch_ahead(row, BB);
             __m256i lo[4], hi[4];
             __m256 dsc, dmf;
-            q4_k_decode(row, lo, hi, dsc, dmf);
+            k_decode<FIVE>(row, lo, hi, dsc, dmf);
             for (int j = 0; j < N; ++j)
                 acc[j] = acc[j] + q4_k_block(q4_k_dots(lo, hi, x.q[j] + QK * b), dsc, dmf, x.d[j] + 8 * b, x.s[j] + 8 * b);
         }
@@ -190,14 +142,18 @@ struct Q4KCols {
     }
 };
 
-float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return Q4KCols::one(row, a, cols); }
+float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return KCols<false>::one(row, a, cols); }
+float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return KCols<true>::one(row, a, cols); }
 
-// q4_k against n columns, eight rows at a time with a lane per row: each group's nibbles are
-// unpacked once into [block][sub-block k][step s] vectors of 32 bytes (rows 0..7 x values 4s..4s+3),
-// its scales into [block][k] vectors over the rows; a column's four activation bytes are broadcast
-// against them, and a sub-block's eight products stay in int16 (|sum| <= 8 * 2 * 15 * 127 < 2^15)
-// until one madd. Every row gets dot_q4_k's bits (the same integers, the same float tree).
-struct Q4KRows8 {
+// q4_k / q5_k against n columns, eight rows at a time with a lane per row: each group's values are
+// unpacked once into [block][sub-block k][step s] vectors of 32 bytes (rows 0..7 x values
+// 4s..4s+3), its scales into [block][k] vectors over the rows; a column's four activation bytes are
+// broadcast against them, and products stay in int16 until a madd: a q4_k sub-block's eight steps
+// (|sum| <= 8 * 2 * 15 * 128 < 2^15), q5_k's four at a time (4 * 2 * 31 * 128 < 2^15). Every row
+// gets the GEMV's bits (the same integers, the same float tree).
+template <bool FIVE>
+struct KRows8 {
+    static constexpr int BB = FIVE ? 176 : 144;
     struct Group {
         std::vector<uint8_t> w;     // [blocks][8 k][8 s] x 32 bytes
         std::vector<float> e, m;    // [blocks][8 k] x 8 rows: d * sc_k and dmin * m_k
@@ -211,12 +167,14 @@ struct Q4KRows8 {
             __m256 es[8], ms[8];
             alignas(32) __m256 q[8][8];      // [k][row] as float lanes for the transpose (bits only)
             for (int r = 0; r < 8; ++r) {
-                const uint8_t* blk = w + r * row_bytes + static_cast<size_t>(b) * 144;
+                const uint8_t* blk = w + r * row_bytes + static_cast<size_t>(b) * BB;
                 q4_k_scales(blk, es[r], ms[r]);
+                const __m256i qh = FIVE ? loadu(blk + 16) : _mm256_setzero_si256();
                 for (int c = 0; c < 4; ++c) {
-                    const __m256i qb = loadu(blk + 16 + 32 * c);
-                    q[2 * c][r] = _mm256_castsi256_ps(_mm256_and_si256(qb, m4));
-                    q[2 * c + 1][r] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4));
+                    __m256i lo, hi;
+                    k_quants<FIVE>(loadu(blk + (FIVE ? 48 : 16) + 32 * c), qh, c, m4, lo, hi);
+                    q[2 * c][r] = _mm256_castsi256_ps(lo);
+                    q[2 * c + 1][r] = _mm256_castsi256_ps(hi);
                 }
             }
             transpose8(es);
@@ -245,17 +203,26 @@ struct Q4KRows8 {
                     std::memcpy(&v, xk, 4);
                     a16[j] = _mm256_maddubs_epi16(loadu(wk), _mm256_set1_epi32(v));
                 }
+                __m256i a32[N];
                 for (int s = 1; s < 8; ++s) {
                     const __m256i ws = loadu(wk + 32 * s);
                     for (int j = 0; j < N; ++j) {
                         int32_t v;
                         std::memcpy(&v, x.q[j] + QK * b + 32 * k + 4 * s, 4);
-                        a16[j] = _mm256_add_epi16(a16[j], _mm256_maddubs_epi16(ws, _mm256_set1_epi32(v)));
+                        const __m256i m = _mm256_maddubs_epi16(ws, _mm256_set1_epi32(v));
+                        if (FIVE && s == 4) {           // q5_k: the first four steps to int32
+                            a32[j] = _mm256_madd_epi16(a16[j], _mm256_set1_epi16(1));
+                            a16[j] = m;
+                        } else {
+                            a16[j] = _mm256_add_epi16(a16[j], m);
+                        }
                     }
                 }
                 for (int j = 0; j < N; ++j) {
                     const __m256 eff = _mm256_mul_ps(_mm256_loadu_ps(g.e.data() + 8 * (8 * b + k)), _mm256_set1_ps(x.d[j][8 * b + k]));
-                    p[j][k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a16[j], _mm256_set1_epi16(1))), eff);
+                    __m256i tot = _mm256_madd_epi16(a16[j], _mm256_set1_epi16(1));
+                    if (FIVE) tot = _mm256_add_epi32(a32[j], tot);
+                    p[j][k] = _mm256_mul_ps(_mm256_cvtepi32_ps(tot), eff);
                 }
             }
             for (int j = 0; j < N; ++j) {
@@ -274,24 +241,24 @@ struct Q4KRows8 {
     }
 };
 
-// dot_columns for q4_k: groups of eight rows through Q4KRows8 (two columns at a time), the rows
-// left over (fewer than eight) through Q4KCols; so are all rows against fewer than
-// Q4K_ROWS8_MIN_COLS columns, where unpacking a group costs more than it saves.
-constexpr int Q4K_ROWS8_MIN_COLS = 4;
-void dot_columns_q4_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+// dot_columns for q4_k / q5_k: groups of eight rows through KRows8 (two columns at a time), the rows
+// left over (fewer than eight) through KCols; so are all rows against fewer than
+// K_ROWS8_MIN_COLS columns, where unpacking a group costs more than it saves.
+constexpr int K_ROWS8_MIN_COLS = 4;
+template <bool FIVE>
+void dot_columns_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
                       size_t ld) {
     const int nblocks = cols / QK;
-    thread_local Q4KRows8::Group g;
+    thread_local typename KRows8<FIVE>::Group g;
     int r = 0;
-    for (; n >= Q4K_ROWS8_MIN_COLS && r + 8 <= rows; r += 8) {
-        Q4KRows8::unpack(w + r * row_bytes, row_bytes, nblocks, g);
+    for (; n >= K_ROWS8_MIN_COLS && r + 8 <= rows; r += 8) {
+        KRows8<FIVE>::unpack(w + r * row_bytes, row_bytes, nblocks, g);
         int j = 0;
-        for (; j + 2 <= n; j += 2) Q4KRows8::run<2>(g, nblocks, acts + j, out + j * ld + r, ld);
-        if (j < n) Q4KRows8::run<1>(g, nblocks, acts + j, out + j * ld + r, ld);
+        for (; j + 2 <= n; j += 2) KRows8<FIVE>::template run<2>(g, nblocks, acts + j, out + j * ld + r, ld);
+        if (j < n) KRows8<FIVE>::template run<1>(g, nblocks, acts + j, out + j * ld + r, ld);
     }
-    if (r < rows) dot_columns<Q4KCols>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
+    if (r < rows) dot_columns<KCols<FIVE>>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
 }
-float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<true>(row, a, cols); }
 
 // ---- many columns: one row against n activation vectors (prefill; see quant_columns.h) ----
 
@@ -325,48 +292,6 @@ struct Blocks32N {
             }
         }
         for (int j = 0; j < N; ++j) out[j * stride] = hsum(acc[j]);
-    }
-};
-
-// q4_k and q5_k (dot_k_affine's order per column): scales, mins and nibbles decoded once per block.
-template <bool FIVE>
-struct KAffineN {
-    static float one(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<FIVE>(row, a, cols); }
-    template <int N>
-    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
-        constexpr int BB = FIVE ? 176 : 144;
-        const __m256i m4 = _mm256_set1_epi8(0xF);
-        const Columns<N> x(acts);
-        __m256 acc[N], acc2[N];
-        for (int j = 0; j < N; ++j) acc[j] = acc2[j] = _mm256_setzero_ps();
-        alignas(32) float eff[N][8];     // column j's d * sc_k * (activation scale) per sub-block
-        for (int b = 0; b < cols / QK; ++b, row += BB) {
-            prefetch_ahead(row, BB);
-            __m256 scf, mf;
-            k_scales(row, scf, mf);
-            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf);
-            const __m256 dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf);
-            for (int j = 0; j < N; ++j) {
-                _mm256_store_ps(eff[j], _mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[j] + 8 * b)));
-                acc2[j] = _mm256_fnmadd_ps(dmf, _mm256_loadu_ps(x.s[j] + 8 * b), acc2[j]);
-            }
-            const uint8_t* qs = row + (FIVE ? 48 : 16);
-            __m256i qh;
-            if (FIVE) qh = loadu(row + 16);
-            for (int c = 0; c < 4; ++c) {
-                const __m256i qb = loadu(qs + 32 * c);
-                __m256i lo, hi;
-                k_quants<FIVE>(qb, qh, c, m4, lo, hi);
-                for (int j = 0; j < N; ++j) {
-                    const int8_t* xj = x.q[j] + QK * b + 64 * c;
-                    const __m256i pl = dot_u8s8(lo, loadu(xj));
-                    const __m256i ph = dot_u8s8(hi, loadu(xj + 32));
-                    acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_broadcast_ss(&eff[j][2 * c]), acc[j]);
-                    acc2[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), _mm256_broadcast_ss(&eff[j][2 * c + 1]), acc2[j]);
-                }
-            }
-        }
-        for (int j = 0; j < N; ++j) out[j * stride] = hsum(_mm256_add_ps(acc[j], acc2[j]));
     }
 };
 
@@ -421,7 +346,7 @@ struct Q6KCols {
 
 float dot_q6_k(const uint8_t* row, const Act& a, int cols) { return Q6KCols::one(row, a, cols); }
 
-// q6_k against n columns, eight rows at a time with a lane per row (Q4KRows8's layout): values
+// q6_k against n columns, eight rows at a time with a lane per row (KRows8's layout): values
 // [block][activation block a][step s] x 32 bytes, d and the sixteen scales as floats over the rows;
 // per sub-block, sums of q * x (two steps' products in int16: at most 2 * 2 * 63 * 128 < 2^15,
 // then madd) less 32 times the column's sum of x over it; J_a from float products, exact (above).
@@ -542,8 +467,8 @@ const KernelTable& avx2_kernels() {
         k.dotn[ENC_BF16] = dot_columns<BF16N>;
         k.dotn[ENC_Q8_0] = dot_columns<Blocks32N<false>>;
         k.dotn[ENC_Q4_0] = dot_columns<Blocks32N<true>>;
-        k.dotn[ENC_Q4_K] = dot_columns_q4_k;
-        k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
+        k.dotn[ENC_Q4_K] = dot_columns_k<false>;
+        k.dotn[ENC_Q5_K] = dot_columns_k<true>;
         k.dotn[ENC_Q6_K] = dot_columns_q6_k;
         return k;
     }();

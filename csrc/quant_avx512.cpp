@@ -109,39 +109,9 @@ inline __m512i k_pair(const uint8_t* qs, __m512i qh2, int c, __m512i m4) {
     return q;
 }
 
-template <bool FIVE>
-float dot_k_affine(const uint8_t* row, const Act& a, int cols) {
-    constexpr int BB = FIVE ? 176 : 144;
-    const __m512i m4 = _mm512_set1_epi8(0xF);
-    __m512 acc = _mm512_setzero_ps();
-    __m256 accm = _mm256_setzero_ps();
-    for (int b = 0; b < cols / QK; ++b, row += BB) {
-        prefetch_ahead(row, BB);
-        __m256 scf, mf;
-        k_scales(row, scf, mf);
-        const __m512 eff = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf),
-                                                                _mm256_loadu_ps(a.q8.d + 8 * b)));
-        accm = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf), _mm256_loadu_ps(a.q8.s + 8 * b), accm);
-        const uint8_t* qs = row + (FIVE ? 48 : 16);
-        const int8_t* x = a.q8.q + QK * b;
-        __m512i qh2 = _mm512_setzero_si512();
-        if (FIVE) qh2 = _mm512_broadcast_i64x4(loadu256(row + 16));
-        for (int c = 0; c < 4; ++c) {
-            const __m512i q = k_pair<FIVE>(qs, qh2, c, m4);
-            const __m512i p = dot_u8s8(q, loadu(x + 64 * c));
-            const __m512i idx = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, eff), acc);
-        }
-    }
-    __m128 t = _mm_add_ps(_mm256_castps256_ps128(accm), _mm256_extractf128_ps(accm, 1));
-    t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
 
-float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<true>(row, a, cols); }
-
-// ---- q4_k in its one order (quant_columns.h; the AVX2 kernels' bits), one row or sixteen rows at
-// once (lanes = rows) ----
+// ---- q4_k and q5_k in their one order (quant_columns.h; the AVX2 kernels' bits), one row or
+// sixteen rows at once (lanes = rows) ----
 
 // Eight int32 totals in order from four vectors whose 128-bit lanes L = 0, 1 hold partial sums of
 // total 2c and L = 2, 3 of total 2c + 1 (p[c]): three unpack-and-add steps leave lane 4L + c = the
@@ -177,19 +147,22 @@ inline float q4_k_block512(__m256i tot, __m256 dsc, __m256 dmf, const float* d, 
 }
 
 // One row against N <= 4 columns (a few tokens each expert: short prompts, and decode).
-struct Q4KCols {
+template <bool FIVE>
+struct KCols {
+    static constexpr int BB = FIVE ? 176 : 144;
     template <int N>
     static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
         const __m512i m4 = _mm512_set1_epi8(0xF);
         const Columns<N> x(acts);
         float acc[N];
         for (int j = 0; j < N; ++j) acc[j] = 0.f;
-        for (int b = 0; b < cols / QK; ++b, row += 144) {
-            prefetch_ahead(row, 144);
+        for (int b = 0; b < cols / QK; ++b, row += BB) {
+            prefetch_ahead(row, BB);
             __m256 dsc, dmf;
             q4_k_scales(row, dsc, dmf);
+            const __m512i qh2 = FIVE ? _mm512_broadcast_i64x4(loadu256(row + 16)) : _mm512_setzero_si512();
             __m512i q[4];
-            for (int c = 0; c < 4; ++c) q[c] = k_pair<false>(row + 16, _mm512_setzero_si512(), c, m4);
+            for (int c = 0; c < 4; ++c) q[c] = k_pair<FIVE>(row + (FIVE ? 48 : 16), qh2, c, m4);
             for (int j = 0; j < N; ++j)
                 acc[j] = acc[j] + q4_k_block512(q4_k_dots(q, x.q[j] + QK * b), dsc, dmf, x.d[j] + 8 * b, x.s[j] + 8 * b);
         }
@@ -203,14 +176,17 @@ struct Q4KCols {
     }
 };
 
-float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return Q4KCols::one(row, a, cols); }
+float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return KCols<false>::one(row, a, cols); }
+float dot_q5_k(const uint8_t* row, const Act& a, int cols) { return KCols<true>::one(row, a, cols); }
 
-// q4_k against n columns, sixteen rows at a time with a lane per row: each group's nibbles are
+// q4_k / q5_k against n columns, sixteen rows at a time with a lane per row: each group's values are
 // unpacked once into [block][sub-block k][step s] vectors of 64 bytes (rows 0..15 x values
 // 4s..4s+3), its scales into [block][k] vectors over the rows; a column's four activation bytes are
 // broadcast against them and VNNI adds each lane's four products into its int32 (two chains a
-// column, even and odd steps). Every row gets dot_q4_k's bits.
-struct Q4KRows16 {
+// column, even and odd steps). Every row gets the GEMV's bits.
+template <bool FIVE>
+struct KRows16 {
+    static constexpr int BB = FIVE ? 176 : 144;
     struct Group {
         std::vector<uint8_t> w;     // [blocks][8 k][8 s] x 64 bytes
         std::vector<float> e, m;    // [blocks][8 k] x 16 rows: d * sc_k and dmin * m_k
@@ -225,12 +201,14 @@ struct Q4KRows16 {
                 __m256 es[8], ms[8];
                 __m256 q[8][8];                         // [k][row] as float lanes for the transpose (bits only)
                 for (int r = 0; r < 8; ++r) {
-                    const uint8_t* blk = w + (8 * half + r) * row_bytes + static_cast<size_t>(b) * 144;
+                    const uint8_t* blk = w + (8 * half + r) * row_bytes + static_cast<size_t>(b) * BB;
                     q4_k_scales(blk, es[r], ms[r]);
+                    const __m256i qh = FIVE ? loadu256(blk + 16) : _mm256_setzero_si256();
                     for (int c = 0; c < 4; ++c) {
-                        const __m256i qb = loadu256(blk + 16 + 32 * c);
-                        q[2 * c][r] = _mm256_castsi256_ps(_mm256_and_si256(qb, m4));
-                        q[2 * c + 1][r] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_srli_epi16(qb, 4), m4));
+                        __m256i lo, hi;
+                        k_quants<FIVE>(loadu256(blk + (FIVE ? 48 : 16) + 32 * c), qh, c, m4, lo, hi);
+                        q[2 * c][r] = _mm256_castsi256_ps(lo);
+                        q[2 * c + 1][r] = _mm256_castsi256_ps(hi);
                     }
                 }
                 transpose8(es);
@@ -298,26 +276,27 @@ struct Q4KRows16 {
     }
 };
 
-// dot_columns for q4_k: groups of sixteen rows through Q4KRows16 (four columns at a time, then two,
-// then one), the rows left over through Q4KCols; so are all rows against fewer than
-// Q4K_ROWS16_MIN_COLS columns, where unpacking a group costs more than it saves.
-constexpr int Q4K_ROWS16_MIN_COLS = 4;
-void dot_columns_q4_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
+// dot_columns for q4_k / q5_k: groups of sixteen rows through KRows16 (four columns at a time, then
+// two, then one), the rows left over through KCols; so are all rows against fewer than
+// K_ROWS16_MIN_COLS columns, where unpacking a group costs more than it saves.
+constexpr int K_ROWS16_MIN_COLS = 4;
+template <bool FIVE>
+void dot_columns_k(const uint8_t* w, size_t row_bytes, int rows, const Act* const* acts, int n, int cols, float* out,
                       size_t ld) {
     const int nblocks = cols / QK;
-    thread_local Q4KRows16::Group g;
+    thread_local typename KRows16<FIVE>::Group g;
     int r = 0;
-    for (; n >= Q4K_ROWS16_MIN_COLS && r + 16 <= rows; r += 16) {
-        Q4KRows16::unpack(w + r * row_bytes, row_bytes, nblocks, g);
+    for (; n >= K_ROWS16_MIN_COLS && r + 16 <= rows; r += 16) {
+        KRows16<FIVE>::unpack(w + r * row_bytes, row_bytes, nblocks, g);
         int j = 0;
-        for (; j + 4 <= n; j += 4) Q4KRows16::run<4>(g, nblocks, acts + j, out + j * ld + r, ld);
+        for (; j + 4 <= n; j += 4) KRows16<FIVE>::template run<4>(g, nblocks, acts + j, out + j * ld + r, ld);
         if (j + 2 <= n) {
-            Q4KRows16::run<2>(g, nblocks, acts + j, out + j * ld + r, ld);
+            KRows16<FIVE>::template run<2>(g, nblocks, acts + j, out + j * ld + r, ld);
             j += 2;
         }
-        if (j < n) Q4KRows16::run<1>(g, nblocks, acts + j, out + j * ld + r, ld);
+        if (j < n) KRows16<FIVE>::template run<1>(g, nblocks, acts + j, out + j * ld + r, ld);
     }
-    if (r < rows) dot_columns<Q4KCols>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
+    if (r < rows) dot_columns<KCols<FIVE>>(w + r * row_bytes, row_bytes, rows - r, acts, n, cols, out + r, ld);
 }
 
 // q6_k: half n of a 256-value block's 6-bit values (0..63) as two vectors of 64, from its low
@@ -334,52 +313,6 @@ inline void q6_k_quants(const uint8_t* row, int n, __m512i m4, __m512i m30, __m5
 // ---- many columns (prefill; see quant_columns.h): each column repeats its single-column kernel's
 // operations in order, so the bits are that kernel's ----
 
-
-// q5_k (dot_k_affine's order per column): scales, mins and the 64-weight vectors of each
-// sub-block pair decoded once per block for every column.
-template <bool FIVE>
-struct KAffineN {
-    static float one(const uint8_t* row, const Act& a, int cols) { return dot_k_affine<FIVE>(row, a, cols); }
-    template <int N>
-    static void run(const uint8_t* row, const Act* const* acts, int cols, float* out, size_t stride) {
-        constexpr int BB = FIVE ? 176 : 144;
-        const __m512i m4 = _mm512_set1_epi8(0xF);
-        const Columns<N> x(acts);
-        __m512 acc[N], eff[N];
-        __m256 accm[N];
-        for (int j = 0; j < N; ++j) {
-            acc[j] = _mm512_setzero_ps();
-            accm[j] = _mm256_setzero_ps();
-        }
-        for (int b = 0; b < cols / QK; ++b, row += BB) {
-            prefetch_ahead(row, BB);
-            __m256 scf, mf;
-            k_scales(row, scf, mf);
-            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(row)), scf);
-            const __m256 dmf = _mm256_mul_ps(_mm256_set1_ps(h2f(row + 2)), mf);
-            for (int j = 0; j < N; ++j) {
-                eff[j] = _mm512_castps256_ps512(_mm256_mul_ps(dsc, _mm256_loadu_ps(x.d[j] + 8 * b)));
-                accm[j] = _mm256_fmadd_ps(dmf, _mm256_loadu_ps(x.s[j] + 8 * b), accm[j]);
-            }
-            const uint8_t* qs = row + (FIVE ? 48 : 16);
-            __m512i qh2 = _mm512_setzero_si512();
-            if (FIVE) qh2 = _mm512_broadcast_i64x4(loadu256(row + 16));
-            for (int c = 0; c < 4; ++c) {
-                const __m512i q = k_pair<FIVE>(qs, qh2, c, m4);
-                const __m512i idx = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * c), _mm512_set1_epi32(2 * c + 1));
-                for (int j = 0; j < N; ++j) {
-                    const __m512i p = dot_u8s8(q, loadu(x.q[j] + QK * b + 64 * c));
-                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(idx, eff[j]), acc[j]);
-                }
-            }
-        }
-        for (int j = 0; j < N; ++j) {
-            __m128 t = _mm_add_ps(_mm256_castps256_ps128(accm[j]), _mm256_extractf128_ps(accm[j], 1));
-            t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-            out[j * stride] = _mm512_reduce_add_ps(acc[j]) - _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-        }
-    }
-};
 
 // ---- q6_k, one row or sixteen rows at once (lanes = rows) ----
 //
@@ -441,7 +374,7 @@ struct Q6KCols {
 
 float dot_q6_k(const uint8_t* row, const Act& a, int cols) { return Q6KCols::one(row, a, cols); }
 
-// q6_k against n columns, sixteen rows at a time with a lane per row (Q4KRows16's layout): values
+// q6_k against n columns, sixteen rows at a time with a lane per row (KRows16's layout): values
 // [block][activation block a][step s] x 64 bytes, d and the sixteen scales as floats over the rows;
 // per sub-block, VNNI sums q * x (one chain each for 2a and 2a + 1), less 32 times the column's sum
 // of x over it (xs, integers); J_a from float products, exact (see above). dot_q6_k's bits.
@@ -499,8 +432,8 @@ struct Q6KRows16 {
                         const __m512i w0 = loadu(wa + 64 * s), w1 = loadu(wa + 64 * (s + 4));
                         for (int j = 0; j < N; ++j) {
                             const int8_t* xa = x.q[j] + QK * b + 32 * (a + h) + 4 * s;
-                            i0[j] = _mm512_dpbusd_epi32(i0[j], w0, Q4KRows16::bcast4(xa));
-                            i1[j] = _mm512_dpbusd_epi32(i1[j], w1, Q4KRows16::bcast4(xa + 16));
+                            i0[j] = _mm512_dpbusd_epi32(i0[j], w0, KRows16<false>::bcast4(xa));
+                            i1[j] = _mm512_dpbusd_epi32(i1[j], w1, KRows16<false>::bcast4(xa + 16));
                         }
                     }
                     const int ga = 16 * b + 2 * (a + h);
@@ -585,8 +518,8 @@ const KernelTable& avx512_kernels() {
         k.dotn[ENC_F32] = dot_columns<F32N>;
         k.dotn[ENC_F16] = dot_columns<F16N>;
         k.dotn[ENC_BF16] = dot_columns<BF16N>;
-        k.dotn[ENC_Q4_K] = dot_columns_q4_k;                 // (other encodings: dot_many loops over dot)
-        k.dotn[ENC_Q5_K] = dot_columns<KAffineN<true>>;
+        k.dotn[ENC_Q4_K] = dot_columns_k<false>;                 // (other encodings: dot_many loops over dot)
+        k.dotn[ENC_Q5_K] = dot_columns_k<true>;
         k.dotn[ENC_Q6_K] = dot_columns_q6_k;
         k.dot[ENC_Q5_0] = dot_q5_0;
         k.dot[ENC_IQ4_NL] = dot_iq4_nl;

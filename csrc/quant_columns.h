@@ -11,7 +11,22 @@ inline void k_scales(const uint8_t* row, __m256& scf, __m256& mf) {
     mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(m8))));
 }
 
-// ---- q4_k's one order (the AVX2 and AVX-512 kernels, one row or a lane per row) ----
+// q4_k / q5_k: sub-block pair c's 64 weights from 32 bytes of nibbles (low nibbles: the first 32,
+// high: the next) plus, for q5_k, the fifth bit of each from qh (bits 2c and 2c+1 of each byte).
+template <bool FIVE>
+inline void k_quants(__m256i qb, __m256i qh, int c, __m256i m4, __m256i& lo, __m256i& hi) {
+    lo = _mm256_and_si256(qb, m4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+    if (FIVE) {
+        const __m256i bl = _mm256_set1_epi8(static_cast<char>(1 << (2 * c)));
+        const __m256i bh = _mm256_set1_epi8(static_cast<char>(1 << (2 * c + 1)));
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), sixteen));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), sixteen));
+    }
+}
+
+// ---- q4_k's and q5_k's one order (the AVX2 and AVX-512 kernels, one row or a lane per row) ----
 //
 // Per 256-value block: I_k = the sum of q * x over sub-block k (exact int32), then
 //   block = tree(cvt(I_k) * ((d * sc_k) * dx_k)) - tree((dmin * m_k) * s_k)

@@ -172,9 +172,9 @@ def test_multi_column_kernels_equal_the_single_column_ones(isa, name):
     assert torch.equal(_gemm(weight, x, isa, threads=1), _gemm(weight, x, isa, threads=3))
 
 
-@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
 def test_k_quants_have_one_order_on_every_simd_isa(name):
-    """q4_k and q6_k on AVX2 and AVX-512 add a block's sub-block sums in one fixed tree, one row or
+    """q4_k, q5_k and q6_k on AVX2 and AVX-512 add a block's sub-block sums in one fixed tree, one row or
     eight / sixteen rows a lane each: the same bits on both ISAs, for one token and for many (the
     grouped-rows prefill kernels take >= 4 tokens and full groups of rows; 37 rows leave a tail)."""
     simd = [isa for isa in native.ISAS if isa != "scalar"]
