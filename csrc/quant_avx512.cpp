@@ -168,12 +168,7 @@ struct KCols {
         }
         for (int j = 0; j < N; ++j) out[j * stride] = acc[j];
     }
-    static float one(const uint8_t* row, const Act& a, int cols) {
-        const Act* p = &a;
-        float out;
-        run<1>(row, &p, cols, &out, 0);
-        return out;
-    }
+    static float one(const uint8_t* row, const Act& a, int cols) { return one_column<KCols>(row, a, cols); }
 };
 
 float dot_q4_k(const uint8_t* row, const Act& a, int cols) { return KCols<false>::one(row, a, cols); }
@@ -364,12 +359,7 @@ struct Q6KCols {
         }
         for (int j = 0; j < N; ++j) out[j * stride] = acc[j];
     }
-    static float one(const uint8_t* row, const Act& a, int cols) {
-        const Act* p = &a;
-        float out;
-        run<1>(row, &p, cols, &out, 0);
-        return out;
-    }
+    static float one(const uint8_t* row, const Act& a, int cols) { return one_column<Q6KCols>(row, a, cols); }
 };
 
 float dot_q6_k(const uint8_t* row, const Act& a, int cols) { return Q6KCols::one(row, a, cols); }

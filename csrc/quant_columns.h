@@ -26,6 +26,16 @@ inline void k_quants(__m256i qb, __m256i qh, int c, __m256i m4, __m256i& lo, __m
     }
 }
 
+// A column kernel's single-column case: K::run<1> (its one-column code is the GEMV, so a column of
+// a wider call has the GEMV's bits).
+template <class K>
+inline float one_column(const uint8_t* row, const Act& a, int cols) {
+    const Act* p = &a;
+    float out;
+    K::template run<1>(row, &p, cols, &out, 0);
+    return out;
+}
+
 // ---- q4_k's and q5_k's one order (the AVX2 and AVX-512 kernels, one row or a lane per row) ----
 //
 // Per 256-value block: I_k = the sum of q * x over sub-block k (exact int32), then
@@ -175,10 +185,5 @@ struct FloatN {
             out[j * stride] = acc;
         }
     }
-    static float one(const uint8_t* row, const Act& a, int cols) {
-        const Act* p = &a;
-        float out;
-        run<1>(row, &p, cols, &out, 0);
-        return out;
-    }
+    static float one(const uint8_t* row, const Act& a, int cols) { return one_column<FloatN>(row, a, cols); }
 };
