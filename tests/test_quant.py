@@ -190,6 +190,28 @@ def test_k_quants_have_one_order_on_every_simd_isa(name):
         assert torch.equal(got["avx2"][0], native.gemv(weight, x[0], isa="avx512", threads=1))
 
 
+def test_resident_k_quants_stay_native_for_long_prompts():
+    """A resident matrix in fast mode: the K-quants with grouped-rows kernels (AVX2 / AVX-512) take the
+    native GEMM up to GROUPED_GEMM_MAX_TOKENS tokens, with its bits; other encodings, the scalar
+    path and longer inputs dequantize and use torch beyond NATIVE_GEMM_MAX_TOKENS."""
+    gen = torch.Generator().manual_seed(8)
+    n = kernels.NATIVE_GEMM_MAX_TOKENS + 72
+    assert n <= kernels.GROUPED_GEMM_MAX_TOKENS
+    x = torch.randn(n, 512, generator=gen)
+    for name in ("q4_k", "q6_k", "q8_0"):
+        weight, deq = _weight(name, 48, 512, gen)
+        for isa in native.ISAS:
+            ctx = ExecContext(ExecPolicy(kernel_mode="fast", isa=isa))
+            got = kernels.quant_linear(x, weight, ctx=ctx)
+            if name != "q8_0" and isa != "scalar":
+                assert torch.equal(got, native.gemm(weight, x, isa=isa)), (name, isa)
+            else:   # the exact product (BLAS may round differently at another buffer alignment)
+                torch.testing.assert_close(got, torch.nn.functional.linear(x, deq), rtol=1e-5, atol=1e-5)
+        long = torch.randn(kernels.GROUPED_GEMM_MAX_TOKENS + 1, 512, generator=gen)
+        torch.testing.assert_close(kernels.quant_linear(long, weight, ctx=ExecContext(ExecPolicy(kernel_mode="fast"))),
+                                   torch.nn.functional.linear(long, deq), rtol=1e-5, atol=1e-5)
+
+
 def test_isa_refusal_and_bad_shapes_are_clear():
     weight, _ = _weight("q4_k", 4, 256, torch.Generator().manual_seed(0))
     with pytest.raises(Exception, match="unknown isa 'sse9'"):

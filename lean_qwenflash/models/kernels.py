@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ..common import EXPERT_KERNELS  # noqa: F401  (the modes this module implements)
 from ..quant import QuantCols, QuantRows, QuantTensor
 from . import native
-from .policy import STANDALONE, ExecContext, Workspace
+from .policy import STANDALONE, ExecContext, ExecPolicy, Workspace
 
 try:  # pragma: no cover - CUDA-only optional dependency
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
@@ -199,12 +199,30 @@ def expert_mlp(x: torch.Tensor, expert, ctx: ExecContext = STANDALONE) -> torch.
 # 8 vs 13 ms, 512 tokens 32 vs 23 ms).
 NATIVE_GEMM_MAX_TOKENS = 128
 
+# ... except the K-quants whose SIMD kernels take rows in groups (csrc/quant_avx2.cpp KRows8 /
+# Q6KRows8, quant_avx512.cpp KRows16 / Q6KRows16: eight or sixteen rows a lane each), which stay
+# native up to this many tokens: their native products split into tasks claimed from a counter,
+# where torch's SGEMM splits statically, and the grouped kernels now match it idle. Hybrid Q4_K_M file,
+# one process, A/B rounds interleaved (tok/s, limit 128 -> 1024): 512 / 1024-token prompts idle
+# 223 / 244 -> 243 / 253, beside a nice-19 busy loop 150 / 153 -> 167 / 169; uniform file idle 289 /
+# 328 -> 302 / 323. All native at 2048 tokens was slower idle (uniform 368 -> 349), hence a limit.
+GROUPED_GEMM_MAX_TOKENS = 1024
+GROUPED_ENCODINGS = frozenset({"q4_k", "q5_k", "q6_k"})     # Encoding.name
+
+
+def _native_gemm_limit(weight, policy: ExecPolicy) -> int:
+    """How many tokens a resident matrix takes through the native GEMM in fast mode."""
+    isa = native.best_isa() if policy.isa == "auto" else policy.isa
+    grouped = isinstance(weight, QuantTensor) and weight.encoding.name in GROUPED_ENCODINGS and isa in ("avx2", "avx512")
+    return GROUPED_GEMM_MAX_TOKENS if grouped else NATIVE_GEMM_MAX_TOKENS
+
 
 def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, ctx: ExecContext = STANDALONE,
                  role: str = "linear") -> torch.Tensor:
     """``F.linear`` with a block-quantized (or float record) weight: on CPU in ``fast`` mode one row,
     and for a resident matrix (``role`` "linear") up to ``NATIVE_GEMM_MAX_TOKENS`` rows (several
-    sequences' decode step, a short prompt), run the native dot products on the rows as stored;
+    sequences' decode step, a short prompt; ``GROUPED_GEMM_MAX_TOKENS`` for the K-quants with
+    grouped-rows kernels), run the native dot products on the rows as stored;
     otherwise the weight is dequantized exactly (into the workspace's buffer for ``role``) and
     multiplied."""
     if isinstance(weight, QuantRows):      # row groups in different encodings: one product each
@@ -218,7 +236,7 @@ def quant_linear(x: torch.Tensor, weight: QuantTensor, bias=None, ctx: ExecConte
     # (a family's own expert math, e.g. GPT-OSS's clamped SwiGLU, keeps exact products for many
     # tokens: its large clamped activations through int8 blocks moved a test model's prompt logits
     # by 13% of their range, past fast mode's bound)
-    limit = NATIVE_GEMM_MAX_TOKENS if role == "linear" else 1
+    limit = _native_gemm_limit(weight, policy) if role == "linear" else 1
     if policy.kernel_mode == "fast" and tokens <= limit and x.device.type == "cpu" \
             and native.supports(weight):
         if tokens == 1:
