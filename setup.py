@@ -55,9 +55,9 @@ ext = Pybind11Extension(
 kernels = Pybind11Extension(
     "lean_qwenflash._kernels",
     sources=["csrc/quant_scalar.cpp", "csrc/quant_types.cpp", "csrc/quant_avx2.cpp", "csrc/quant_avx512.cpp", "csrc/moe.cpp",
-             "csrc/ops.cpp", "csrc/attention.cpp", "csrc/decode_step.cpp", "csrc/deltanet.cpp", "csrc/kernels_bindings.cpp"],
+             "csrc/affinity.cpp", "csrc/ops.cpp", "csrc/attention.cpp", "csrc/decode_step.cpp", "csrc/deltanet.cpp", "csrc/kernels_bindings.cpp"],
     extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off"],
-    extra_link_args=["-pthread"],
+    extra_link_args=["-pthread", "-ldl"],
     cxx_std=17,
 )
 

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "affinity.h"
 #include "attention.h"
 #include "decode_step.h"
 #include "deltanet.h"
@@ -32,6 +33,21 @@ PYBIND11_MODULE(_kernels, m) {
     m.def("best_isa", &best_isa);
     m.def("set_spin", &set_spin, py::arg("iterations"),
           "How many pause instructions an idle worker spins before sleeping; returns the previous value.");
+    m.def("bind_kernel_threads", &bind_kernel_threads, py::arg("cpus"), py::arg("anywhere"),
+          "Pin worker i of the kernel pools to cpus[i % len] (the caller is thread 0), pools made later too; "
+          "with cpus [], let them run on the CPUs `anywhere` again.");
+    m.def("kernel_thread_cpus", &kernel_thread_cpus, "The kernel pools' binding ([] when unbound).");
+    m.def("kernel_thread_ids", &kernel_thread_ids, "Thread ids of the kernel pools' workers.");
+    m.def(
+        "bind_openmp_team",
+        [](const std::string& runtime, int num_threads, const std::vector<int>& cpus, const std::vector<int>& anywhere) {
+            py::gil_scoped_release nogil;
+            return bind_openmp_team(runtime, num_threads, cpus, anywhere);
+        },
+        py::arg("runtime"), py::arg("num_threads"), py::arg("cpus"), py::arg("anywhere"),
+        "Pin member i (>= 1) of the calling thread's num_threads-thread OpenMP team to cpus[i % len] (cpus []: "
+        "let it run on `anywhere`), through the already loaded runtime at path `runtime`; returns the members' "
+        "thread ids.");
     m.def(
         "encoding_ids", [] {
             std::vector<int> ids;

@@ -9,6 +9,12 @@
 // thread count, and a given ISA is deterministic.
 #include "moe.h"
 
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "affinity.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -83,8 +89,22 @@ struct Job {
 
 class Pool {
    public:
-    explicit Pool(int n) {
-        for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
+    explicit Pool(int n) : tids_(static_cast<size_t>(std::max(0, n - 1))) {
+        for (int i = 1; i < n; ++i)
+            workers_.emplace_back([this, i] {
+                pthread_setname_np(pthread_self(), "lqf-kernels");
+                tids_[i - 1].store(static_cast<long>(syscall(SYS_gettid)));
+                loop();
+            });
+    }
+    // Worker i (1 ..) runs on cpus[i % size] from now on; with no cpus, anywhere in `anywhere`.
+    void bind(const std::vector<int>& cpus, const std::vector<int>& anywhere) {
+        for (size_t i = 0; i < workers_.size(); ++i)
+            pin_thread(workers_[i].native_handle(), cpus.empty() ? anywhere : std::vector<int>{cpus[(i + 1) % cpus.size()]});
+    }
+    void thread_ids(std::vector<long>& out) const {
+        for (const auto& t : tids_)
+            if (long id = t.load()) out.push_back(id);
     }
     ~Pool() {
         {
@@ -155,6 +175,7 @@ class Pool {
     }
 
     std::vector<std::thread> workers_;
+    std::vector<std::atomic<long>> tids_;
     std::mutex run_mu_;
     std::mutex mu_;
     std::condition_variable cv_;
@@ -166,14 +187,41 @@ class Pool {
 
 // One pool per thread count, made on first use and kept: models with different thread budgets in
 // one process each get theirs, and no pool is torn down under a caller still using it.
+// Every pool's workers follow one binding (bind_kernel_threads), pools made later too.
+static std::map<int, std::unique_ptr<Pool>> g_pools;
+static std::mutex g_pools_mu;
+static std::vector<int> g_bind_cpus, g_anywhere;
+
 static Pool& pool(int num_threads) {
-    static std::map<int, std::unique_ptr<Pool>> pools;
-    static std::mutex mu;
-    std::lock_guard<std::mutex> lk(mu);
+    std::lock_guard<std::mutex> lk(g_pools_mu);
     num_threads = std::max(1, num_threads);
-    auto& p = pools[num_threads];
-    if (!p) p.reset(new Pool(num_threads));
+    auto& p = g_pools[num_threads];
+    if (!p) {
+        p.reset(new Pool(num_threads));
+        // (its workers inherit the creating thread's mask, which a bound step narrowed to one CPU)
+        if (!g_bind_cpus.empty() || !g_anywhere.empty()) p->bind(g_bind_cpus, g_anywhere);
+    }
     return *p;
+}
+
+void bind_kernel_threads(const std::vector<int>& cpus, const std::vector<int>& anywhere) {
+    std::lock_guard<std::mutex> lk(g_pools_mu);
+    g_bind_cpus = cpus;
+    g_anywhere = anywhere;
+    if (cpus.empty() && anywhere.empty()) return;
+    for (auto& kv : g_pools) kv.second->bind(cpus, anywhere);
+}
+
+std::vector<int> kernel_thread_cpus() {
+    std::lock_guard<std::mutex> lk(g_pools_mu);
+    return g_bind_cpus;
+}
+
+std::vector<long> kernel_thread_ids() {
+    std::lock_guard<std::mutex> lk(g_pools_mu);
+    std::vector<long> out;
+    for (auto& kv : g_pools) kv.second->thread_ids(out);
+    return out;
 }
 
 void parallel_run(int num_threads, int num_tasks, const std::function<void(int)>& fn) { pool(num_threads).run(num_tasks, fn); }

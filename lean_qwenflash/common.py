@@ -11,6 +11,7 @@ import re
 
 EXPERT_KERNELS = ("fast", "exact")                 # config key expert_kernels (see models.kernels)
 KERNEL_ISAS = ("auto", "scalar", "avx2", "avx512")  # config key cpu_isa (see models.native)
+CPU_BINDS = ("auto", "on", "off")                   # config key cpu_bind (see models.affinity)
 KV_CACHE_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # config key kv_cache_dtype (see models.layers.attention)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

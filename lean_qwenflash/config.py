@@ -15,7 +15,7 @@ from typing import Optional
 
 import yaml
 
-from .common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, ConfigError, check_sampling, format_size, parse_size
+from .common import CPU_BINDS, EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, ConfigError, check_sampling, format_size, parse_size
 
 IO_ENGINES = ("auto", "uring", "pread")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,6 +79,9 @@ class RuntimeConfig:
                                         # experts); exact: dequantize, then torch (bit-identity tests)
     cpu_isa: str = "auto"               # force a native kernel path: auto, scalar, avx2, avx512
     cpu_threads: int = 0                # native kernel threads; 0 = torch's intra-op thread count
+    # Bind each compute thread to a core of its own (models/affinity.py): auto = when the thread
+    # budget is every CPU this process may use; on = the first cpu_threads CPUs; off = never.
+    cpu_bind: str = "auto"
     # How attention layers store keys and values: f32 (as computed: full precision), f16, bf16, or
     # GGUF's 32-value blocks q8_0 / q4_0 (~3.8x / ~7x smaller than f32), dequantized block by block
     # inside attention.
@@ -96,6 +99,8 @@ class RuntimeConfig:
             raise ConfigError(f"expert_kernels: must be one of {', '.join(EXPERT_KERNELS)}, got {self.expert_kernels!r}")
         if self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be >= 0 (0: as many as torch uses), got {self.cpu_threads}")
+        if self.cpu_bind not in CPU_BINDS:
+            raise ConfigError(f"cpu_bind: must be one of {', '.join(CPU_BINDS)}, got {self.cpu_bind!r}")
         if self.cpu_isa not in KERNEL_ISAS:
             raise ConfigError(f"cpu_isa: must be one of {', '.join(KERNEL_ISAS)}, got {self.cpu_isa!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -107,6 +107,12 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print, cfg=N
     out(f"CPU budget:    {available_cpus()} threads for compute (affinity {len(os.sched_getaffinity(0))} cores"
         + (f", cgroup quota {quota:.2f} cores" if quota is not None else ", no cgroup CPU quota")
         + "; cpu_threads: 0 uses this, torch and the native kernels share it)")
+    from .models.affinity import choose_cpus
+    bind = choose_cpus("auto", available_cpus())
+    out("CPU binding:   " + (f"cpu_bind: auto puts each compute thread on a core of its own (CPUs {', '.join(map(str, bind))}): "
+                             "a busy neighbour cannot make two of them share one" if bind else
+                             "cpu_bind: auto leaves threads unbound here (one thread, or a budget below the cores this "
+                             "process may use); cpu_bind: on binds them to the first cores"))
     from . import TORCH_OMP_WAIT, TORCH_OMP_WAIT_OURS
     spin = torch_threads_spin()
     if spin:

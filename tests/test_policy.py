@@ -1,5 +1,6 @@
 """The execution policy is per model: two models with different policies in one process each
 compute what they compute alone, with their own workspaces, and a policy comes from the config."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,7 +12,8 @@ import torch
 
 from lean_qwenflash.config import load_config
 from lean_qwenflash.generate.state import new_state
-from lean_qwenflash.models import native
+from lean_qwenflash.common import ConfigError
+from lean_qwenflash.models import affinity, native
 from lean_qwenflash.models.policy import DECODE_SPIN, ExecPolicy, available_cpus, cgroup_cpu_limit
 from lean_qwenflash.runtime import Runtime
 from lean_qwenflash.store import pack
@@ -170,6 +172,85 @@ def test_native_kernels_called_from_two_threads_with_different_budgets():
     for w in workers:
         w.join()
     assert not bad
+
+
+def test_cpu_bind_picks_one_core_per_thread_only_when_asked_or_when_the_budget_is_every_core():
+    choose = affinity.choose_cpus
+    assert choose("auto", 4, [0, 1, 2, 3]) == (0, 1, 2, 3)
+    assert choose("auto", 2, [0, 1, 2, 3]) == ()          # a subset could collide with another process
+    assert choose("on", 2, [4, 5, 6, 7]) == (4, 5)
+    assert choose("off", 4, [0, 1, 2, 3]) == ()
+    assert choose("auto", 1, [3]) == () and choose("on", 1, [0, 1]) == ()   # one thread: nothing to keep apart
+    assert choose("on", 4, [0, 1]) == ()                  # fewer CPUs than threads
+    with pytest.raises(ValueError, match="cpu_bind must be one of"):
+        choose("sometimes", 2, [0, 1])
+    with pytest.raises(ConfigError, match="cpu_bind"):
+        load_config(cpu_bind="sometimes")
+    assert ExecPolicy.from_config(load_config(cpu_bind="off")).bind_cpus == ()
+    assert ExecPolicy.from_config(load_config(cpu_bind="on", cpu_threads=1)).bind_cpus == ()
+    assert ExecPolicy.from_config(load_config(cpu_bind="on", device="cuda")).bind_cpus == ()
+    with pytest.raises(ValueError, match="bind_cpus must be distinct"):
+        ExecPolicy(bind_cpus=(1, 1))
+
+
+_two_cpus = pytest.mark.skipif(len(affinity.allowed_cpus()) < 2 or not native.available(),
+                               reason="thread placement needs two CPUs in this process's mask and the native kernels")
+
+
+def _masks() -> dict:
+    return {tid: cpus for tid, cpus in affinity.thread_cpus().items()}
+
+
+@_two_cpus
+def test_a_bound_step_puts_each_compute_thread_on_its_own_core():
+    cpus = affinity.allowed_cpus()[:2]
+    everywhere = affinity.allowed_cpus()
+    me = __import__("threading").get_native_id()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(256, 256)
+        with affinity.bound(cpus, 2):
+            assert sorted(__import__("os").sched_getaffinity(0)) == [cpus[0]]   # the caller
+            native.gemv(x, x[0], threads=2)            # the kernel pool of two exists
+            (x @ x).sum()                             # torch's team runs
+            inside = _masks()
+        workers = native.kernel_thread_ids()
+        # (pools of other sizes, from other tests, follow the same rule: worker i on cpus[i % 2])
+        assert workers and all(inside[t] in ([cpus[0]], [cpus[1]]) for t in workers if t in inside)
+        omp = [t for t, m in inside.items() if t != me and t not in workers and m == [cpus[1]]]
+        assert omp, f"torch's OpenMP worker was not bound: {inside}"
+        after = _masks()
+        assert after[me] == everywhere                 # the caller's own mask came back
+        assert all(after[t] == [cpus[1]] for t in omp) # torch's workers stay on their core
+        with affinity.bound((), 2):                    # an unbound step lets every thread run anywhere
+            pass
+        assert native.kernel_thread_cpus() == []
+        assert all(m == everywhere for t, m in _masks().items() if t in workers or t in omp)
+    finally:
+        with affinity.bound((), 2):
+            torch.set_num_threads(saved)
+
+
+@_two_cpus
+def test_bound_and_unbound_models_compute_the_same_bits(q4_pack):
+    prompt = hf_models.prompt_ids(96, 24)
+    cfg = dict(model=str(q4_pack), expert_kernels="fast", cpu_threads=2)
+    with Runtime.open(load_config(cpu_bind="off", **cfg), resident_experts=True) as rt:
+        assert rt.model.policy.bind_cpus == ()
+        unbound = _steps(rt.model, prompt)
+    with Runtime.open(load_config(cpu_bind="on", **cfg), resident_experts=True) as rt:
+        cpus = list(rt.model.policy.bind_cpus)
+        assert len(cpus) == 2
+        try:
+            assert torch.equal(_steps(rt.model, prompt), unbound)
+            assert native.kernel_thread_cpus() == cpus
+            assert all(_masks()[t] in ([cpus[0]], [cpus[1]]) for t in native.kernel_thread_ids())
+            assert sorted(__import__("os").sched_getaffinity(0)) == affinity.allowed_cpus()
+        finally:
+            rt.model.set_policy(dataclasses.replace(rt.model.policy, bind_cpus=()))
+            _steps(rt.model, prompt[:, :4])
+        assert native.kernel_thread_cpus() == []
 
 
 _IDLE_SPIN_PROBE = r"""

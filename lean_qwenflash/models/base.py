@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lean_qwenflash.models import kernels, native
+from lean_qwenflash.models import affinity, kernels, native
 from lean_qwenflash.models.layers.attention import Attention, AttentionStep
 from lean_qwenflash.models.layers.deltanet import DeltaNetStep, GatedDeltaNet
 from lean_qwenflash.models.layers.linear import Embedding, Linear
@@ -226,12 +226,14 @@ class CausalLM(nn.Module):
         threads = policy.decode_torch_threads if native_step else policy.torch_threads
         saved = torch.get_num_threads()
         if not threads or saved == threads:
-            return fn(*args)
+            with affinity.bound(policy.bind_cpus, saved):
+                return fn(*args)
         torch.set_num_threads(threads)
         # torch on one thread: keep the native workers awake across the step's many calls
         spin = native.set_spin(policy.decode_spin) if native_step and policy.decode_torch_threads else None
         try:
-            return fn(*args)
+            with affinity.bound(policy.bind_cpus, threads):
+                return fn(*args)
         finally:
             if spin is not None:
                 native.set_spin(spin)

@@ -93,6 +93,32 @@ def set_spin(iterations: int) -> int:
     return _K.set_spin(int(iterations)) if _K is not None else 0
 
 
+def bind_kernel_threads(cpus, anywhere) -> None:
+    """Pin the kernel pools' worker i to ``cpus[i % len]`` (pools made later too); with ``cpus``
+    empty, let them run on ``anywhere`` again (see ``models.affinity``)."""
+    if _K is not None:
+        _K.bind_kernel_threads([int(c) for c in cpus], [int(c) for c in anywhere])
+
+
+def kernel_thread_cpus() -> list:
+    """The kernel pools' binding (``[]``: unbound)."""
+    return list(_K.kernel_thread_cpus()) if _K is not None else []
+
+
+def kernel_thread_ids() -> list:
+    """Thread ids of the kernel pools' workers (made on first use)."""
+    return list(_K.kernel_thread_ids()) if _K is not None else []
+
+
+def bind_openmp_team(runtime: str, threads: int, cpus, anywhere=()) -> list:
+    """Pin member i >= 1 of the calling thread's ``threads``-thread OpenMP team (torch's intra-op
+    pool) to ``cpus[i % len]`` (``cpus`` empty: let them run on ``anywhere``) through the loaded
+    runtime at ``runtime``; their thread ids."""
+    if _K is None:
+        return []
+    return list(_K.bind_openmp_team(runtime, int(threads), [int(c) for c in cpus], [int(c) for c in anywhere]))
+
+
 def _threads(threads) -> int:
     """A call's thread count (its model's ``ExecPolicy.native_threads``); 0: torch's intra-op count."""
     return threads or torch.get_num_threads()

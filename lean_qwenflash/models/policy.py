@@ -20,6 +20,7 @@ import torch
 
 from .. import OMP_SPIN_COUNT, TORCH_OMP_WAIT
 from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, cgroup_dirs
+from .affinity import choose_cpus
 
 # Idle-worker spin (pause instructions) of the native pool during a CPU decode step, where torch
 # runs on one thread and the kernels are called ~100 times per step (csrc/moe.cpp).
@@ -91,6 +92,9 @@ class ExecPolicy:
       stored encoding (``loader.build_model``) and run like encoded ones (native kernels with fp32
       activations in fast mode, exact conversion then torch otherwise): half the memory and the
       bytes read per token of an fp32 copy.
+    * ``bind_cpus``: CPUs the compute threads of a CPU step are bound to, one per thread (``()``:
+      none; ``models.affinity``): the calling thread to the first, native and torch worker i to
+      the i-th.
 
     The thread counts are one budget (``from_config``): torch and the native kernels take turns on
     the same cores, never more threads than the cores this process may use.
@@ -105,6 +109,7 @@ class ExecPolicy:
     decode_spin: int = DECODE_SPIN
     kv_cache_dtype: str = "f32"
     stored_floats: bool = False
+    bind_cpus: tuple = ()
 
     def __post_init__(self):
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -112,6 +117,8 @@ class ExecPolicy:
         if self.kernel_mode not in EXPERT_KERNELS or self.isa not in KERNEL_ISAS:
             raise ValueError(f"expert kernels must be one of {EXPERT_KERNELS} and isa one of {KERNEL_ISAS}; "
                              f"got {self.kernel_mode!r}, {self.isa!r}")
+        if any(not isinstance(c, int) or c < 0 for c in self.bind_cpus) or len(set(self.bind_cpus)) != len(self.bind_cpus):
+            raise ValueError(f"bind_cpus must be distinct CPU numbers; got {self.bind_cpus!r}")
         if self.native_threads < 0 or any(t is not None and t < 1 for t in (self.torch_threads, self.decode_torch_threads)):
             raise ValueError(f"native_threads must be >= 0, torch_threads and decode_torch_threads >= 1 or None; got "
                              f"{self.native_threads}, {self.torch_threads}, {self.decode_torch_threads}")
@@ -123,14 +130,15 @@ class ExecPolicy:
         process may use (``available_cpus``: affinity and cgroup quota), for torch's many-token work and for the
         native kernels alike. In fast mode one-token steps run torch on one thread and the native
         kernels on the budget: torch's small per-token ops are faster on one thread than fighting
-        the kernels for the cores."""
+        the kernels for the cores. ``cpu_bind`` binds each of the budget's threads to a core of its
+        own (``affinity.choose_cpus``)."""
         cpu = cfg.device == "cpu"
         budget = cfg.cpu_threads or available_cpus()
         fast_cpu = cpu and cfg.expert_kernels == "fast"
         return cls(kernel_mode=cfg.expert_kernels, float_native=cfg.expert_kernels == "fast", isa=cfg.cpu_isa,
                    native_threads=budget if cpu else cfg.cpu_threads, torch_threads=budget if cpu else None,
                    decode_torch_threads=1 if fast_cpu else None, kv_cache_dtype=cfg.kv_cache_dtype,
-                   stored_floats=fast_cpu)
+                   stored_floats=fast_cpu, bind_cpus=choose_cpus(cfg.cpu_bind, budget) if cpu else ())
 
     def with_kernels(self, mode: str, isa: Optional[str] = None) -> "ExecPolicy":
         """This policy with another kernel mode (float linears follow it) and optionally ISA."""
