@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Optional
 
 EXPERT_KERNELS = ("fast", "exact")                 # config key expert_kernels (see models.kernels)
 KERNEL_ISAS = ("auto", "scalar", "avx2", "avx512")  # config key cpu_isa (see models.native)
@@ -109,3 +110,24 @@ def cgroup_dirs(controller: str, root: str = "/sys/fs/cgroup", proc: str = "/pro
             out.append(d)
     return out
 
+
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> Optional[float]:
+    """The CPU quota of this process's cgroups in cores, the tightest of its group and its parents
+    (``cgroup_dirs``; v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``);
+    None when there is none or it cannot be read."""
+    limits = []
+    for d in cgroup_dirs("cpu", root, proc):
+        try:
+            quota, period = (d / "cpu.max").read_text().split()[:2]
+            if quota != "max":
+                limits.append(int(quota) / int(period))
+            continue
+        except (OSError, ValueError):
+            pass
+        try:
+            quota, period = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
+            if quota > 0 and period > 0:
+                limits.append(quota / period)
+        except (OSError, ValueError):
+            pass
+    return min(limits) if limits else None

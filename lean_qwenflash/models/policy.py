@@ -19,35 +19,13 @@ from typing import Optional
 import torch
 
 from .. import OMP_SPIN_COUNT, TORCH_OMP_WAIT
-from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, cgroup_dirs
+from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, cgroup_cpu_limit
 from .affinity import choose_cpus
 
 # Idle-worker spin (pause instructions) of the native pool during a CPU decode step, where torch
 # runs on one thread and the kernels are called ~100 times per step (csrc/moe.cpp).
 DECODE_SPIN = 100000
 ALIGNMENT = 4096          # workspace buffers start on a page, as store records do
-
-
-def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> Optional[float]:
-    """The CPU quota of this process's cgroups in cores, the tightest of its group and its parents
-    (``common.cgroup_dirs``; v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``);
-    None when there is none or it cannot be read."""
-    limits = []
-    for d in cgroup_dirs("cpu", root, proc):
-        try:
-            quota, period = (d / "cpu.max").read_text().split()[:2]
-            if quota != "max":
-                limits.append(int(quota) / int(period))
-            continue
-        except (OSError, ValueError):
-            pass
-        try:
-            quota, period = int((d / "cpu.cfs_quota_us").read_text()), int((d / "cpu.cfs_period_us").read_text())
-            if quota > 0 and period > 0:
-                limits.append(quota / period)
-        except (OSError, ValueError):
-            pass
-    return min(limits) if limits else None
 
 
 def torch_threads_spin() -> Optional[str]:
