@@ -18,7 +18,7 @@ from .families import moe_facts
 from .generate.budget import prefill_chunk_tokens, run_room
 from .generate.sampling import SamplingParams
 from .loader import build_model
-from .models.policy import ExecPolicy, torch_threads_spin
+from .models.policy import ExecPolicy, torch_spin_unbound, torch_threads_spin
 from .store.checkpoint import TORCH_DTYPES
 from .store.reader import ExpertStore
 
@@ -98,10 +98,11 @@ class Runtime:
                 store, host_cache_bytes=cfg.host_cache_bytes, top_k=top_k,
                 device=device, device_cache_bytes=cfg.device_cache_bytes, prefetch=cfg.prefetch,
                 prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
-        model = build_model(config, resident, provider, dtype=dtype, device=device, policy=ExecPolicy.from_config(cfg))
-        spin = torch_threads_spin() if device.type == "cpu" else None
-        if spin:
-            warnings.warn(spin, RuntimeWarning, stacklevel=2)
+        policy = ExecPolicy.from_config(cfg)
+        model = build_model(config, resident, provider, dtype=dtype, device=device, policy=policy)
+        for spin in (torch_threads_spin(), torch_spin_unbound(policy)) if device.type == "cpu" else ():
+            if spin:
+                warnings.warn(spin, RuntimeWarning, stacklevel=2)
         if isinstance(provider, TieredExperts):
             provider.set_predictors(model.expert_predictors())     # prefetch with the family's routing rule
         tokenizer = None

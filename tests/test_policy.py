@@ -14,7 +14,8 @@ from lean_qwenflash.config import load_config
 from lean_qwenflash.generate.state import new_state
 from lean_qwenflash.common import ConfigError
 from lean_qwenflash.models import affinity, native
-from lean_qwenflash.models.policy import DECODE_SPIN, ExecPolicy, available_cpus, cgroup_cpu_limit
+import lean_qwenflash
+from lean_qwenflash.models.policy import DECODE_SPIN, ExecPolicy, available_cpus, cgroup_cpu_limit, torch_spin_unbound
 from lean_qwenflash.runtime import Runtime
 from lean_qwenflash.store import pack
 
@@ -193,6 +194,22 @@ def test_cpu_bind_picks_one_core_per_thread_only_when_asked_or_when_the_budget_i
         ExecPolicy(bind_cpus=(1, 1))
 
 
+def test_torch_spin_follows_the_default_binding():
+    """The package picks torch's OpenMP spin before torch loads, by whether the default policy binds
+    threads here; a config that leaves them unbound under the long spin is told what to do."""
+    binds = bool(affinity.choose_cpus("auto", available_cpus()))
+    assert lean_qwenflash.binds_by_default() == binds
+    assert lean_qwenflash.OMP_SPIN_COUNT == (lean_qwenflash.OMP_SPIN_BOUND if binds else lean_qwenflash.OMP_SPIN_UNBOUND)
+    bound = ExecPolicy.from_config(load_config())
+    unbound = ExecPolicy.from_config(load_config(cpu_bind="off"))
+    assert bound.bind_cpus == (tuple(affinity.allowed_cpus()) if binds else ())
+    assert torch_spin_unbound(bound) is None
+    if lean_qwenflash.TORCH_OMP_WAIT_OURS and binds:
+        assert "GOMP_SPINCOUNT=3000" in torch_spin_unbound(unbound) and "cpu_bind: on" in torch_spin_unbound(unbound)
+    else:
+        assert torch_spin_unbound(unbound) is None
+
+
 _two_cpus = pytest.mark.skipif(len(affinity.allowed_cpus()) < 2 or not native.available(),
                                reason="thread placement needs two CPUs in this process's mask and the native kernels")
 
@@ -288,11 +305,12 @@ def test_torch_openmp_threads_spin_briefly_unless_the_user_chose():
     reads these variables when torch loads); torch imported first with neither is reported, with
     what to do."""
     ours = _probe("lean_qwenflash")
-    assert (ours["env"], ours["spin_count"], ours["policy"], ours["spin"]) == (None, "3000", "GOMP_SPINCOUNT=3000", None)
+    count = lean_qwenflash.OMP_SPIN_COUNT                # 30000 where the default policy binds threads, else 3000
+    assert (ours["env"], ours["spin_count"], ours["policy"], ours["spin"]) == (None, count, f"GOMP_SPINCOUNT={count}", None)
     active = _probe("lean_qwenflash", OMP_WAIT_POLICY="ACTIVE")
     assert (active["env"], active["spin_count"], active["policy"], active["spin"]) == \
         ("ACTIVE", None, "OMP_WAIT_POLICY=ACTIVE", None)
     assert ours["idle_cpu_s"] < 0.1 < active["idle_cpu_s"], (ours, active)
     late = _probe("torch")
     assert late["policy"] is None and late["spin_count"] is None
-    assert "GOMP_SPINCOUNT=3000" in late["spin"] and "before torch" in late["spin"]
+    assert f"GOMP_SPINCOUNT={count}" in late["spin"] and "before torch" in late["spin"]

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from .. import OMP_SPIN_COUNT, TORCH_OMP_WAIT
+from .. import OMP_SPIN_BOUND, OMP_SPIN_COUNT, OMP_SPIN_UNBOUND, TORCH_OMP_WAIT, TORCH_OMP_WAIT_OURS
 from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, cgroup_cpu_limit
 from .affinity import choose_cpus
 
@@ -37,6 +37,19 @@ def torch_threads_spin() -> Optional[str]:
             "set, so its idle threads spin ~10 ms each time: beside another busy process a long prompt "
             "ran 2-5x slower. Import lean_qwenflash before torch, or set "
             f"GOMP_SPINCOUNT={OMP_SPIN_COUNT} in the environment")
+
+
+def torch_spin_unbound(policy: "ExecPolicy") -> Optional[str]:
+    """What to do when this process chose torch's long OpenMP spin for bound threads (the default
+    policy binds here) but ``policy`` leaves its threads unbound (None otherwise)."""
+    if not (TORCH_OMP_WAIT_OURS and OMP_SPIN_COUNT == OMP_SPIN_BOUND) or policy.bind_cpus:
+        return None
+    if not policy.torch_threads or policy.torch_threads < 2:
+        return None
+    return (f"torch's OpenMP threads spin {OMP_SPIN_BOUND} pauses (~2 ms) before sleeping, chosen for compute "
+            f"threads bound one per core, but this config leaves them unbound (cpu_bind: off, or cpu_threads "
+            f"below this machine's cores): beside a busy process a long prompt ran ~1/3 slower that way. Use "
+            f"cpu_bind: on, or set GOMP_SPINCOUNT={OMP_SPIN_UNBOUND} in the environment")
 
 
 def available_cpus() -> int:
