@@ -20,6 +20,7 @@ cores can collide with another process's); ``on`` binds to the first ``budget`` 
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -53,9 +54,11 @@ def choose_cpus(mode: str, budget: int, allowed: Optional[Sequence[int]] = None)
     return tuple(cpus[:budget])
 
 
+@functools.lru_cache(maxsize=1)
 def openmp_runtime() -> Optional[str]:
     """The path of the OpenMP runtime torch loaded (GNU libgomp, or one exporting its entry
-    points), read from this process's memory map; None when there is none."""
+    points), read from this process's memory map once (torch loads it with itself, before any
+    step); None when there is none."""
     try:
         with open("/proc/self/maps") as f:
             paths = {fields[5] for fields in (line.split(None, 5) for line in f) if len(fields) == 6}
