@@ -29,7 +29,7 @@ def binds_by_default() -> bool:
     """Whether ``cpu_bind: auto`` with the default thread budget binds threads in this process:
     two or more CPUs in its affinity mask and no cgroup CPU quota below them (the rule of
     ``models.affinity.choose_cpus`` with ``policy.available_cpus``, without importing torch)."""
-    from .common import cgroup_cpu_limit
+    from ._host import cgroup_cpu_limit
     try:
         cores = len(_os.sched_getaffinity(0))
     except (AttributeError, OSError):

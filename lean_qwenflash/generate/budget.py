@@ -14,7 +14,8 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from lean_qwenflash.common import cgroup_dirs, format_size
+from lean_qwenflash._host import cgroup_dirs
+from lean_qwenflash.common import format_size
 
 # Bytes per stored element of a KV cache by its dtype (block encodings: GGUF's 32-value blocks).
 KV_ELEMENT_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "f16": 2.0, "bf16": 2.0,
@@ -221,7 +222,7 @@ def run_room(cfg) -> int:
 
 def cgroup_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> tuple[Optional[int], Optional[int]]:
     """(limit, usage) in bytes of the memory cgroup that leaves this process the least room: its
-    own group or a parent (``common.cgroup_dirs``; v2 ``memory.max`` / ``memory.current``, v1
+    own group or a parent (``_host.cgroup_dirs``; v2 ``memory.max`` / ``memory.current``, v1
     ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``), usage less the inactive page cache the
     kernel reclaims first (``memory.stat``, as ``docker stats`` counts it: the page cache alone
     fills a capped group to its limit); (None, None) where none is limited."""

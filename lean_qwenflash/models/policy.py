@@ -19,7 +19,8 @@ from typing import Optional
 import torch
 
 from .. import OMP_SPIN_BOUND, OMP_SPIN_COUNT, OMP_SPIN_UNBOUND, TORCH_OMP_WAIT, TORCH_OMP_WAIT_OURS
-from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, cgroup_cpu_limit
+from .._host import cgroup_cpu_limit
+from ..common import EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES
 from .affinity import choose_cpus
 
 # Idle-worker spin (pause instructions) of the native pool during a CPU decode step, where torch
