@@ -106,6 +106,26 @@ PYBIND11_MODULE(_kernels, m) {
         py::arg("x"), py::arg("hidden"), py::arg("inter"), py::arg("gate_up"), py::arg("down"), py::arg("weights"),
         py::arg("gate_up_enc"), py::arg("down_enc"), py::arg("out"), py::arg("threads"), py::arg("isa") = "auto");
     m.def(
+        "moe_decode_parts",
+        [](uintptr_t x, int hidden, int inter, const std::vector<uintptr_t>& gate_up, const std::vector<uintptr_t>& down,
+           int gu_enc, int dn_enc, uintptr_t parts, int threads, const std::string& isa) {
+            const auto gu = ptrs<const uint8_t>(gate_up), dn = ptrs<const uint8_t>(down);
+            py::gil_scoped_release nogil;
+            moe_decode_parts(ptr<const float>(x), hidden, inter, gu, dn, gu_enc, dn_enc, ptr<float>(parts), threads, isa);
+        },
+        py::arg("x"), py::arg("hidden"), py::arg("inter"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_enc"),
+        py::arg("down_enc"), py::arg("parts"), py::arg("threads"), py::arg("isa") = "auto",
+        "moe_decode without the sum: parts [E, hidden] fp32, expert e's unweighted output in row e.");
+    m.def(
+        "moe_combine",
+        [](const std::vector<uintptr_t>& parts, const std::vector<float>& weights, int hidden, uintptr_t out) {
+            const auto pp = ptrs<const float>(parts);
+            py::gil_scoped_release nogil;
+            moe_combine(pp, weights, hidden, ptr<float>(out));
+        },
+        py::arg("parts"), py::arg("weights"), py::arg("hidden"), py::arg("out"),
+        "out [hidden] = sum_e weights[e] * parts[e] in order (each parts[e] a row of hidden fp32 values).");
+    m.def(
         "moe_prefill",
         [](uintptr_t x, int hidden, int inter, const std::vector<uintptr_t>& gate_up, const std::vector<uintptr_t>& down,
            uintptr_t counts, uintptr_t tokens, uintptr_t weights, int gu_enc, int dn_enc, uintptr_t out, int threads,

@@ -3,6 +3,8 @@
 //   gemm            one matrix x many activation rows (prefill shape: the multi-column kernels)
 //   moe_decode      one token through all of its routed experts of a layer in one call:
 //                   gate_up -> silu(gate) * up -> down, weighted sum
+//   moe_decode_parts / moe_combine  the same in pieces: some experts' outputs now, the rest when
+//                   their bytes land, summed in expert order with moe_decode's bits
 //   moe_prefill     many tokens through their experts of a layer in one call
 //   dequantize      rows -> fp32 (the exact path and prefill tiles), rows split over threads
 // Every output value is computed by one thread in a fixed order, so results do not depend on the
@@ -367,15 +369,23 @@ void gemv_multi(const std::vector<const uint8_t*>& w, const std::vector<int>& en
     });
 }
 
-void moe_decode(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
-                const std::vector<const uint8_t*>& down, const std::vector<float>& weights, int gate_up_enc, int down_enc,
-                float* out, int num_threads, const std::string& isa) {
+// moe_decode and moe_decode_parts: gate_up, SwiGLU, then down; with ``parts`` each expert's down
+// output lands in its own row (parts[e * hidden + r], unweighted), else out[r] sums the experts in
+// order. A row of parts is the very float the sum takes, so moe_combine of parts gives moe_decode's
+// bits (no fused multiply-adds in this file).
+static void moe_decode_impl(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                            const std::vector<const uint8_t*>& down, const float* weights, int gate_up_enc,
+                            int down_enc, float* out, float* parts, int num_threads, const std::string& isa) {
     check_cols(gate_up_enc, hidden, "moe_decode gate_up");
     check_cols(down_enc, inter, "moe_decode down");
     const KernelTable& k = kernels_for(isa);
     const int num_experts = static_cast<int>(gate_up.size());
-    if (down.size() != gate_up.size() || weights.size() != gate_up.size())
+    if (down.size() != gate_up.size())
         throw std::invalid_argument("moe_decode: gate_up, down and weights must have one entry per expert");
+    if (num_experts == 0) {
+        if (out) std::fill(out, out + hidden, 0.f);
+        return;
+    }
     Pool& p = pool(num_threads);
 
     // 1. gate_up for every expert: [E, 2I]
@@ -398,18 +408,47 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
     SwiGLU sw(p, h.data(), num_experts, inter, down_enc);
     const std::vector<Act>& acts = sw.acts;
 
-    // 3. down: every output row sums its experts in order (deterministic)
+    // 3. down: every output row sums its experts in order (deterministic), or each expert's row apart
     const size_t dn_stride = enc_row_bytes(down_enc, inter);
     const DotFn dot_dn = k.dot[down_enc];
     const int dn_step = task_rows(hidden, p.size());
     p.run((hidden + dn_step - 1) / dn_step, [&](int t) {
         const int r1 = std::min(hidden, (t + 1) * dn_step);
         for (int r = t * dn_step; r < r1; ++r) {
+            if (parts) {
+                for (int e = 0; e < num_experts; ++e)
+                    parts[static_cast<size_t>(e) * hidden + r] = dot_dn(down[e] + r * dn_stride, acts[e], inter);
+                continue;
+            }
             float acc = 0.f;
             for (int e = 0; e < num_experts; ++e) acc += weights[e] * dot_dn(down[e] + r * dn_stride, acts[e], inter);
             out[r] = acc;
         }
     });
+}
+
+void moe_decode(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                const std::vector<const uint8_t*>& down, const std::vector<float>& weights, int gate_up_enc, int down_enc,
+                float* out, int num_threads, const std::string& isa) {
+    if (weights.size() != gate_up.size())
+        throw std::invalid_argument("moe_decode: gate_up, down and weights must have one entry per expert");
+    moe_decode_impl(x, hidden, inter, gate_up, down, weights.data(), gate_up_enc, down_enc, out, nullptr, num_threads, isa);
+}
+
+void moe_decode_parts(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                      const std::vector<const uint8_t*>& down, int gate_up_enc, int down_enc, float* parts,
+                      int num_threads, const std::string& isa) {
+    moe_decode_impl(x, hidden, inter, gate_up, down, nullptr, gate_up_enc, down_enc, nullptr, parts, num_threads, isa);
+}
+
+void moe_combine(const std::vector<const float*>& parts, const std::vector<float>& weights, int hidden, float* out) {
+    if (parts.size() != weights.size())
+        throw std::invalid_argument("moe_combine: parts and weights must have one entry per expert");
+    for (int r = 0; r < hidden; ++r) {
+        float acc = 0.f;
+        for (size_t e = 0; e < parts.size(); ++e) acc += weights[e] * parts[e][r];
+        out[r] = acc;
+    }
 }
 
 // dst[p * rows + r] = row r of expert e times pair p's activations acts[p], for every pair p of every

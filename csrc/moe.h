@@ -34,6 +34,14 @@ void moe_decode(const float* x, int hidden, int inter, const std::vector<const u
                 const std::vector<const uint8_t*>& down, const std::vector<float>& weights, int gate_up_enc, int down_enc,
                 float* out, int num_threads, const std::string& isa);
 
+// moe_decode in pieces: parts[e, H] = down_e(silu(gate_e(x)) * up_e(x)) (unweighted), and
+// out[H] = sum_e weights[e] * parts[e] in the given order: for the same experts in the same order,
+// moe_decode's bits (a streamed decode step computes the experts already cached while the rest load).
+void moe_decode_parts(const float* x, int hidden, int inter, const std::vector<const uint8_t*>& gate_up,
+                      const std::vector<const uint8_t*>& down, int gate_up_enc, int down_enc, float* parts,
+                      int num_threads, const std::string& isa);
+void moe_combine(const std::vector<const float*>& parts, const std::vector<float>& weights, int hidden, float* out);
+
 // dst[rows, cols] fp32 = the rows of src decoded exactly
 // Many tokens through the experts of one layer: expert e (gate_up[e], down[e]) takes the next
 // counts[e] (token, weight) pairs of tokens/weights; out[token, H] += weight * down(silu(gate) * up)

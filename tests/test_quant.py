@@ -269,6 +269,30 @@ def test_moe_decode_is_independent_of_thread_count():
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("gate_up,down", [("q4_k", "q6_k"), ("q8_0", "q8_0"), ("bf16", "bf16")])
+def test_moe_decode_in_pieces_has_its_bits(isa, gate_up, down):
+    """A streamed decode step computes the cached experts first and the rest once read, then sums:
+    for any split, the bits of one moe_decode call (and of the torch path in exact mode)."""
+    gen = torch.Generator().manual_seed(7)
+    hidden, inter = 256, 256
+    experts, _ = _experts(gate_up, down, 8, hidden, inter, gen)
+    weights = torch.rand(8, generator=gen).tolist()
+    x = torch.randn(1, hidden, generator=gen)
+    for mode in ("fast", "exact"):
+        ctx = ExecContext(ExecPolicy(kernel_mode=mode, isa=isa))
+        whole = kernels.experts_decode(x, experts, weights, ctx)
+        for ready in ([0, 3, 4, 7], [5], list(range(8)), []):
+            parts = [None] * 8
+            for batch in (ready, [i for i in range(8) if i not in ready]):
+                if batch:
+                    for i, y in zip(batch, kernels.experts_decode_parts(x, [experts[i] for i in batch], ctx)):
+                        parts[i] = y
+            assert torch.equal(kernels.experts_combine(x, experts, parts, weights, ctx), whole), (mode, ready)
+    with pytest.raises(ValueError, match="one contiguous fp32 row"):
+        native.moe_combine([torch.zeros(hidden)], [1.0, 2.0])
+
+
 def _prefill_case(gate_up, down, num, seed, tokens=7, top_k=3, hidden=256, inter=256):
     gen = torch.Generator().manual_seed(seed)
     experts, ref = _experts(gate_up, down, num, hidden, inter, gen)

@@ -80,6 +80,31 @@ def test_streamed_equals_resident_bit_for_bit(family, packs):
         rt.close()
 
 
+@pytest.mark.parametrize("family,kernels_mode", [("qwen3_moe", "fast"), ("qwen3_moe", "exact"), ("gpt_oss", "fast")])
+def test_decode_computes_cached_experts_while_the_rest_are_read(family, kernels_mode, packs):
+    """With misses, a decode step takes its experts in two batches (those in the host tier, then
+    the ones read for it) and still has the resident bits (gpt_oss: the family's own expert math)."""
+    c = hf_models.case(family)
+    ref_logits, ref_tokens = _reference(packs[family], c.prompt, expert_kernels=kernels_mode)
+    store = ExpertStore.open(packs[family])
+    budget = _budgets(store, int(c.config["num_experts_per_tok"]))["quarter"]
+    store.close()
+    cfg = load_config(model=str(packs[family]), host_cache_bytes=budget, prefetch=False, expert_kernels=kernels_mode)
+    with Runtime.open(cfg) as rt:
+        batches = []
+        as_ready = rt.provider.acquire_as_ready
+
+        def spy(layer_idx, expert_ids):
+            for pos, views in as_ready(layer_idx, expert_ids):
+                batches.append((len(pos), len(expert_ids)))
+                yield pos, views
+        rt.provider.acquire_as_ready = spy
+        assert torch.equal(rt.model(c.prompt), ref_logits)
+        assert list(Generator(rt.model).generate(c.prompt[0].tolist(), GREEDY, 16)) == ref_tokens
+    assert any(0 < n < k for n, k in batches), "no decode step had both cached and missing experts"
+    assert any(n == k for n, k in batches), "no decode step found all its experts cached"
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "mixtral"])
 def test_streamed_equals_resident_with_two_thread_split_decode(family, packs, two_threads_split_everything):
     """Decode as on a 2-core machine: every one-row product split over two threads (kernels.linear)

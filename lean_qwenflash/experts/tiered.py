@@ -303,6 +303,37 @@ class TieredExperts(ExpertProvider):
             self._prefetch_after(layer_idx)
         return views
 
+    def acquire_as_ready(self, layer_idx: int, expert_ids: Sequence[int]):
+        """``acquire`` of one token's experts in two batches, as (positions in ``expert_ids``, weights):
+        first those whose bytes are in the host tier now, then, once their reads have landed, the
+        rest (a batch may be empty; one batch when nothing is missing), so that a decode step
+        computes its cached experts while the disk reads the others. The next layer's guesses are
+        queued after this layer's reads have landed, as in ``acquire``. The slots stay pinned until
+        ``release(layer_idx, expert_ids)``. (With a device tier: one batch, after ``acquire``.)"""
+        if self.dev is not None:
+            views = self.acquire(layer_idx, expert_ids)
+            yield list(range(len(views))), views
+            return
+        expert_ids = self._begin(layer_idx, expert_ids)
+        slots, waits = self._pin_host(layer_idx, expert_ids)
+        self._pinned.setdefault(layer_idx, []).append(("host", slots))
+        view = lambda i: self._view(self.host_bytes, "host", slots[i], layer_idx)   # noqa: E731
+        if not waits:
+            if self.prefetch:
+                self._prefetch_after(layer_idx)
+            yield list(range(len(slots))), [view(i) for i in range(len(slots))]
+            return
+        reading = set(waits)
+        ready = [i for i, s in enumerate(slots) if s not in reading]
+        try:
+            yield ready, [view(i) for i in ready]
+        finally:      # (also when stopped early: no read may still be landing in a released slot)
+            self._wait_host(layer_idx, waits)
+        if self.prefetch:
+            self._prefetch_after(layer_idx)
+        rest = [i for i, s in enumerate(slots) if s in reading]
+        yield rest, [view(i) for i in rest]
+
     def acquire_runs(self, layer_idx: int, expert_ids: Sequence[int], run: int):
         """``acquire`` of ``expert_ids`` whose results arrive as they land: every miss is submitted at
         once, then (ids, weights) of consecutive runs of ``run`` experts are yielded in order, each as

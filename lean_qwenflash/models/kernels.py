@@ -137,15 +137,22 @@ def experts_decode(x: torch.Tensor, experts, weights, ctx: ExecContext = STANDAL
     (``ctx.policy``) one native call runs all of them; ``exact`` (and anything the native kernels
     cannot read) runs torch.
     """
-    policy, workspace = ctx.policy, ctx.workspace
+    policy = ctx.policy
     if policy.kernel_mode == "fast" and _fast_ok(x, experts):
         return native.moe_decode(x, experts, weights, isa=policy.isa, threads=policy.native_threads).to(x.dtype)
-    # kernels.linear's row split, decided once per call: the experts of a layer share shapes
-    # (inline, since per-call overhead is ~10% of a small expert's GEMV).
+    out = torch.zeros_like(x)
+    for y, weight in zip(_torch_expert_outputs(x, experts, ctx.workspace), weights):
+        out.add_(y, alpha=weight)
+    return out
+
+
+def _torch_expert_outputs(x: torch.Tensor, experts, workspace):
+    """Each expert's unweighted output for one token x [1, H], in torch (``experts_decode``'s
+    arithmetic). kernels.linear's row split is decided once per call: the experts of a layer share
+    shapes (inline, since per-call overhead is ~10% of a small expert's GEMV)."""
     inter = experts[0].down.shape[1]
     up_parts = down_parts = x_in = None
-    out = torch.zeros_like(x)
-    for w, weight in zip(experts, weights):
+    for w in experts:
         gate_up = as_float(w.gate_up, x.dtype, "gate_up", workspace)
         if up_parts is None:
             up_parts = split_parts(gate_up)
@@ -155,7 +162,28 @@ def experts_decode(x: torch.Tensor, experts, weights, ctx: ExecContext = STANDAL
         down = as_float(w.down, x.dtype, "down", workspace)
         if down_parts is None:
             down_parts = split_parts(down)
-        out.add_(split_gemv(split_input(act, down_parts), down, down_parts), alpha=weight)
+        yield split_gemv(split_input(act, down_parts), down, down_parts)
+
+
+def experts_decode_parts(x: torch.Tensor, experts, ctx: ExecContext = STANDALONE) -> list:
+    """``experts_decode`` in pieces: each expert's unweighted output (a row of H values), for
+    ``experts_combine`` to sum once the rest of a token's experts have been computed. For the same
+    experts in the same order the sum has ``experts_decode``'s bits however they were split: a
+    streamed decode step computes the experts already in memory while the others are read."""
+    policy = ctx.policy
+    if policy.kernel_mode == "fast" and _fast_ok(x, experts):
+        return list(native.moe_decode_parts(x, experts, isa=policy.isa, threads=policy.native_threads))
+    return [y.reshape(-1) for y in _torch_expert_outputs(x, experts, ctx.workspace)]
+
+
+def experts_combine(x: torch.Tensor, experts, parts: list, weights, ctx: ExecContext = STANDALONE) -> torch.Tensor:
+    """[1, H] = sum_e weights[e] * parts[e] in order, with the arithmetic of ``experts_decode`` for
+    these ``experts`` (the sum native where it would run natively, torch's ``add_`` otherwise)."""
+    if ctx.policy.kernel_mode == "fast" and _fast_ok(x, experts):
+        return native.moe_combine(parts, weights).to(x.dtype)
+    out = torch.zeros_like(x)
+    for y, weight in zip(parts, weights):
+        out.add_(y.view_as(out), alpha=weight)
     return out
 
 

@@ -172,6 +172,32 @@ def moe_decode(x: torch.Tensor, experts: Sequence, weights: Sequence[float], isa
     return out
 
 
+def moe_decode_parts(x: torch.Tensor, experts: Sequence, isa: str = "auto", threads: int = 0) -> torch.Tensor:
+    """``moe_decode`` without the weighted sum: fp32 [E, H], row e the unweighted output of expert e.
+    ``moe_combine`` of such rows gives ``moe_decode``'s bits for the same experts in the same order."""
+    gu0, dn0 = experts[0].gate_up, experts[0].down
+    hidden, inter = dn0.shape
+    xf = _f32(x).reshape(-1)
+    if xf.numel() != hidden or tuple(gu0.shape) != (2 * inter, hidden):
+        raise ValueError(f"moe_decode_parts: x has {xf.numel()} values; gate_up {tuple(gu0.shape)}, down {tuple(dn0.shape)}")
+    parts = torch.empty(len(experts), hidden, dtype=torch.float32)
+    _K.moe_decode_parts(xf.data_ptr(), hidden, inter, [_address(w.gate_up) for w in experts],
+                        [_address(w.down) for w in experts], encoding_id(gu0), encoding_id(dn0), parts.data_ptr(),
+                        _threads(threads), isa)
+    return parts
+
+
+def moe_combine(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """fp32 [1, H] = sum_e weights[e] * parts[e] in order; each part a contiguous fp32 row of H values."""
+    hidden = parts[0].numel()
+    if len(parts) != len(weights) or any(p.dtype != torch.float32 or not p.is_contiguous() or p.numel() != hidden
+                                         for p in parts):
+        raise ValueError("moe_combine: one contiguous fp32 row of the same length per weight")
+    out = torch.empty(1, hidden, dtype=torch.float32)
+    _K.moe_combine([p.data_ptr() for p in parts], [float(w) for w in weights], hidden, out.data_ptr())
+    return out
+
+
 def moe_prefill(x: torch.Tensor, experts: Sequence, counts: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor,
                 out: torch.Tensor, isa: str = "auto", threads: int = 0) -> torch.Tensor:
     """Many tokens through experts of one layer, added into ``out`` [N, H] (fp32, in place): expert

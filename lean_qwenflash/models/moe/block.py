@@ -107,11 +107,37 @@ def one_token_experts(x: torch.Tensor, expert_ids: list, experts: list, weights:
 def routed_one(x: torch.Tensor, expert_ids: list, weights: list, provider, layer_idx: int,
                ctx: ExecContext = STANDALONE, expert_fn=None) -> torch.Tensor:
     """One token x [1, H] through its experts ``expert_ids`` (ascending) with ``weights`` (floats):
-    one acquire, then ``one_token_experts``."""
-    experts = provider.acquire(layer_idx, expert_ids)
+    one acquire, then ``one_token_experts``. A provider that hands out experts as they become
+    ready (``acquire_as_ready``: a streaming one) has the cached experts computed while the others
+    are read, then the pieces summed in expert order: the bits of ``one_token_experts``."""
+    as_ready = getattr(provider, "acquire_as_ready", None)
+    if as_ready is None:
+        experts = provider.acquire(layer_idx, expert_ids)
+        try:
+            return one_token_experts(x, expert_ids, experts, weights, ctx, expert_fn)
+        finally:
+            provider.release(layer_idx, expert_ids)
+    batches = as_ready(layer_idx, expert_ids)
     try:
-        return one_token_experts(x, expert_ids, experts, weights, ctx, expert_fn)
+        parts, held = [None] * len(expert_ids), [None] * len(expert_ids)
+        for pos, views in batches:
+            if len(pos) == len(expert_ids):           # everything at once: one call
+                return one_token_experts(x, expert_ids, views, weights, ctx, expert_fn)
+            if not pos:
+                continue
+            ids = [expert_ids[i] for i in pos]
+            outs = ([expert_fn(x, w, e, ctx).reshape(-1) for e, w in zip(ids, views)] if expert_fn is not None
+                    else kernels.experts_decode_parts(x, views, ctx))
+            for i, w, y in zip(pos, views, outs):
+                parts[i], held[i] = y, w
+        if expert_fn is not None:                     # one_token_experts' sum, in order
+            out = torch.zeros_like(x)
+            for y, weight in zip(parts, weights):
+                out.add_(y.view_as(out), alpha=weight)
+            return out
+        return kernels.experts_combine(x, held, parts, weights, ctx)
     finally:
+        batches.close()
         provider.release(layer_idx, expert_ids)
 
 
