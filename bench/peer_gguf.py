@@ -387,14 +387,16 @@ def _rates(m: dict, sizes: list, tokens: int) -> list:
 
 
 def print_table(rows, sizes, args, config, file_bytes) -> None:
+    bf16 = next((r for r in rows if r["case"] == "bf16"), None)
+    bf16_note = f" (bf16: the same model's bf16 GGUF, {bf16['file_bytes'] / 2**30:.2f} GiB)" if bf16 else ""
     print(f"\nGGUF Q4_K_M made by llama.cpp from a random Qwen3-MoE-shaped model (hybrid: Qwen3.5-MoE-shaped, "
-          f"the same experts): {file_bytes / 2**30:.2f} GiB, "
+          f"the same experts): {file_bytes / 2**30:.2f} GiB{bf16_note}, "
           f"{config['num_hidden_layers']} layers x {config['num_experts']} experts, top-{config['num_experts_per_tok']}; "
           f"{args.threads} threads; prefill of a fresh {'/'.join(map(str, sizes))}-token prompt, then {args.tokens} "
           f"decode steps (a fixed random token stream) after the {min(sizes)}-token prompt, first pass each"
-          f"{f', median of {args.repeats} processes' if args.repeats > 1 else ''}. "
-          + "; ".join(f"Capped {r['case']}: cgroup limit {r['cap_bytes'] / 2**30:.2f} GiB (page cache counted), our "
-                      f"host cache {r['host_cache_gib']:.2f} GiB" for r in rows if "cap_bytes" in r) + ".")
+          f"{f', median of {args.repeats} processes' if args.repeats > 1 else ''}."
+          + "".join(f" Capped {r['case']}: cgroup limit {r['cap_bytes'] / 2**30:.2f} GiB (page cache counted), our "
+                    f"host cache {r['host_cache_gib']:.2f} GiB." for r in rows if "cap_bytes" in r))
     cols = [f"prefill {n}" for n in sizes] + ["decode"]
     print(f"{'routing':8s} {'setting':8s} {'engine':10s} " + " ".join(f"{c:>12s}" for c in cols)
           + f" {'MiB/tok':>8s} {'hit':>5s}   ours/llama (prefill..., decode)   vs idle")
