@@ -29,7 +29,9 @@ Settings (--settings):
 * capped: cold page cache, the process inside a cgroup v1 memory limit (--cap-gib, default half
   the file; page cache counts), llama.cpp mmapping the file (its CPU weight repacking turned off:
   it copies every K-quant weight into anonymous memory and gets killed under the cap), ours
-  streaming through a host cache of --host-cache-gib with prefetch.
+  streaming through a host cache of --host-cache-gib with prefetch. After our run the disk is
+  measured as `doctor` does (record-sized random reads at depth 8, 2 s): our decode is also given
+  as a fraction of its I/O bound, that speed over our bytes read per token.
 
 ``--repeats N`` runs each engine N times per setting (fresh processes, taking turns) and reports
 each figure's median. Prints prefill and decode tok/s per setting and engine, MiB read per decode token (/proc/self/io),
@@ -349,6 +351,11 @@ def main() -> int:
                 if "ours" in engines:
                     runs["ours"].append(run_worker("ours", spec, limit, files, case, args.ours_repo))
             row.update({engine: _median_run(r) for engine, r in runs.items() if r})
+            if setting == "capped" and "ours" in row and "error" not in row["ours"]:
+                # The disk speed `doctor` measures (record-sized random reads, depth 8), right after
+                # the run: the I/O bound of a decode step is its bytes over that speed.
+                from lean_qwenflash.doctor import measure_disk_gbps
+                row["disk_gbps"] = measure_disk_gbps(files["pack"][case], 2.0)
             rows.append(row)
             print(f"  {case} {setting} done", file=sys.stderr, flush=True)
     print_table(rows, sizes, args, config, file_bytes)
@@ -427,6 +434,11 @@ def print_table(rows, sizes, args, config, file_bytes) -> None:
                 rel = [a / b for a, b in zip(rates, base)]
                 m["vs_idle"] = rel
                 extra += "   idle x " + " ".join(f"{x:4.2f}" for x in rel)
+            if engine == "ours" and r.get("disk_gbps") and m["bytes_per_token"]:
+                r["io_bound_tok_s"] = r["disk_gbps"] * 1e9 / m["bytes_per_token"]
+                r["of_io_bound"] = rates[-1] / r["io_bound_tok_s"]
+                extra += (f"   decode {r['of_io_bound']:.2f} of the I/O bound ({r['io_bound_tok_s']:.1f} tok/s: "
+                          f"disk {r['disk_gbps']:.2f} GB/s)")
             print(f"{r['case']:8s} {r['setting']:8s} {'llama.cpp' if engine == 'llama' else 'ours':10s} "
                   + " ".join(f"{x:12.1f}" for x in rates)
                   + f" {m['bytes_per_token'] / 2**20:8.1f} {m.get('hit_rate', float('nan')):5.2f}" + extra)
