@@ -35,29 +35,6 @@ class SlotCache:
         self.pins[slot] += 1
         self.lru.pop(slot, None)
 
-    def pin_present(self, keys) -> list:
-        """Pin the slots of those ``keys`` that have one; returns each key's slot or None (the
-        common case of a decode step, all hits, in one call)."""
-        get, pins, lru_pop = self.slot_of.get, self.pins, self.lru.pop
-        out = []
-        for key in keys:
-            slot = get(key)
-            if slot is not None:
-                pins[slot] += 1
-                lru_pop(slot, None)
-            out.append(slot)
-        return out
-
-    def unpin_many(self, slots) -> None:
-        """``unpin`` of each slot, in order."""
-        pins, state, key_of, lru = self.pins, self.state, self.key_of, self.lru
-        for slot in slots:
-            pins[slot] -= 1
-            assert pins[slot] >= 0, "slot unpinned more often than pinned"
-            if pins[slot] == 0 and state[slot] == READY and key_of[slot] is not None:
-                lru[slot] = None
-                lru.move_to_end(slot)
-
     def unpin(self, slot: int) -> None:
         self.pins[slot] -= 1
         assert self.pins[slot] >= 0, "slot unpinned more often than pinned"

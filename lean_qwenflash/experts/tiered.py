@@ -187,20 +187,21 @@ class TieredExperts(ExpertProvider):
         once: the engine's queue depth works on them together); returns (slots, slots still READING)."""
         st = self.stats.layers[layer_idx]
         slots, waits = [], []
-        host, prefetched = self.host, self._prefetched
-        found = host.pin_present([(layer_idx, e) for e in expert_ids])
-        for e, slot in zip(expert_ids, found):
+        for e in expert_ids:
+            key = (layer_idx, e)
+            slot = self.host.lookup(key)
             if slot is not None:
+                self.host.pin(slot)
                 if count:
                     st.hits_host += 1
-                if prefetched[slot]:
-                    prefetched[slot] = False
+                if self._prefetched[slot]:
+                    self._prefetched[slot] = False
                     st.prefetch_useful += 1
-                if host.state[slot] == READING:
+                if self.host.state[slot] == READING:
                     waits.append(slot)
             else:
-                slot = self._host_alloc((layer_idx, e), layer_idx)
-                host.pin(slot)
+                slot = self._host_alloc(key, layer_idx)
+                self.host.pin(slot)
                 st.misses += 1
                 self._host_submit(slot, layer_idx, e, urgent=True)
                 waits.append(slot)
@@ -374,7 +375,8 @@ class TieredExperts(ExpertProvider):
             done.record(torch.cuda.current_stream(self.device))
             for s in slots:
                 self._dev_reads[s] = done
-        cache.unpin_many(slots)
+        for s in slots:
+            cache.unpin(s)
 
     # -- prefetch -------------------------------------------------------------------------------
     def set_predictors(self, predictors: dict) -> None:
