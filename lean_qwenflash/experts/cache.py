@@ -31,6 +31,11 @@ class SlotCache:
     def lookup(self, key: Hashable) -> Optional[int]:
         return self.slot_of.get(key)
 
+    def lookup_all(self, keys) -> list:
+        """``lookup`` of each key (None where it has no slot)."""
+        get = self.slot_of.get
+        return [get(k) for k in keys]
+
     def pin(self, slot: int) -> None:
         self.pins[slot] += 1
         self.lru.pop(slot, None)
@@ -39,6 +44,23 @@ class SlotCache:
         self.pins[slot] -= 1
         assert self.pins[slot] >= 0, "slot unpinned more often than pinned"
         self._maybe_evictable(slot)
+
+    def pin_all(self, slots) -> None:
+        """``pin`` of each slot, in order (a hot path: one call for a layer's experts)."""
+        pins, lru_pop = self.pins, self.lru.pop
+        for slot in slots:
+            pins[slot] += 1
+            lru_pop(slot, None)
+
+    def unpin_all(self, slots) -> None:
+        """``unpin`` of each slot, in order."""
+        pins, state, key_of, lru = self.pins, self.state, self.key_of, self.lru
+        for slot in slots:
+            n = pins[slot] - 1
+            assert n >= 0, "slot unpinned more often than pinned"
+            pins[slot] = n
+            if n == 0 and state[slot] == READY and key_of[slot] is not None:
+                lru[slot] = None          # (a pinned slot is never in lru: this appends it)
 
     def mark_ready(self, slot: int) -> None:
         self.state[slot] = READY

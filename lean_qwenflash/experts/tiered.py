@@ -65,7 +65,7 @@ class TieredExperts(ExpertProvider):
         self.arena = AlignedBuffer(num_host * self.slot_bytes)
         self.host_bytes = torch.frombuffer(self.arena, dtype=torch.uint8).view(num_host, self.slot_bytes)
         self._host_requests: dict[int, int] = {}         # slot -> engine request id, while READING
-        self._prefetched = [False] * num_host            # read speculatively and not yet used
+        self._prefetched: set = set()                    # host slots read speculatively, not yet used
         self._speculative: deque = deque()               # host slots with speculative reads in flight
         self.max_speculative = max_speculative or (store.engine.queue_depth if store.engine else 1)
         self._cuda = self.device.type == "cuda"
@@ -99,10 +99,13 @@ class TieredExperts(ExpertProvider):
         self.prefetch_extra = prefetch_extra
         self._hidden: dict[int, torch.Tensor] = {}
         self._pinned: dict[int, list] = {}
+        # Cached views per (tier, layout): a list indexed by slot, filled on first use. Layers with
+        # the same record layout share one set of views per slot.
         self._views: dict = {}
-        # Layers with the same record layout share one set of cached views per slot.
         layouts: dict = {}
         self._layout_id = {l: layouts.setdefault(store.layer(l).tensors, len(layouts)) for l in self.layers}
+        self._host_views = {l: [None] * num_host for l in set(self._layout_id.values())}
+        self._host_views = {l: self._host_views[self._layout_id[l]] for l in self.layers}   # by layer
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -120,6 +123,17 @@ class TieredExperts(ExpertProvider):
         if v is None:
             v = self._views[key] = record_views(self.store.layer(layer_idx), base[slot])
         return v
+
+    def _host_views_of(self, layer_idx: int, slots: Sequence[int]) -> list[ExpertWeights]:
+        """The cached views of these host slots as records of ``layer_idx`` (the hot path: one
+        list lookup per slot once made)."""
+        cached = self._host_views[layer_idx]
+        views = [cached[s] for s in slots]
+        if None in views:
+            for i, s in enumerate(slots):
+                if views[i] is None:
+                    views[i] = cached[s] = self._view(self.host_bytes, "host", s, layer_idx)
+        return views
 
     # -- host tier ------------------------------------------------------------------------------
     def _host_alloc(self, key, layer_idx: int, wait: bool = True):
@@ -146,11 +160,11 @@ class TieredExperts(ExpertProvider):
         """Start the statistics afresh: counters to zero, and reads prefetched before now no longer
         count as useful or wasted later (else precision could exceed 1 after a reset)."""
         self.stats.reset()
-        self._prefetched = [False] * len(self._prefetched)
+        self._prefetched.clear()
 
     def _evicted(self, slot: int, old_key) -> None:
-        if self._prefetched[slot]:
-            self._prefetched[slot] = False
+        if slot in self._prefetched:
+            self._prefetched.discard(slot)
             self.stats.layers[old_key[0]].prefetch_wasted += 1
 
     def _host_submit(self, slot: int, layer_idx: int, expert_id: int, urgent: bool) -> None:
@@ -171,7 +185,7 @@ class TieredExperts(ExpertProvider):
             for _ in range(pins):
                 self.host.unpin(slot)
             self.host.drop(slot)
-            self._prefetched[slot] = False
+            self._prefetched.discard(slot)
             raise
         self.stats.layers[layer_idx].read_time_s += service_s
         self.host.mark_ready(slot)
@@ -186,6 +200,22 @@ class TieredExperts(ExpertProvider):
         """Pinned host slots for the given experts, demand reads submitted for the misses (all at
         once: the engine's queue depth works on them together); returns (slots, slots still READING)."""
         st = self.stats.layers[layer_idx]
+        host = self.host
+        slots = host.lookup_all([(layer_idx, e) for e in expert_ids])
+        if None not in slots:
+            # Every expert has a slot (the common case once warm): the loop below without its
+            # branches, in the same order (pins, then the counters).
+            host.pin_all(slots)
+            if self._prefetched:
+                useful = self._prefetched.intersection(slots)
+                self._prefetched -= useful
+                st.prefetch_useful += len(useful)
+            if count:
+                st.hits_host += len(slots)
+            if not self._host_requests:          # (no read in flight: none of them is READING)
+                return slots, []
+            state = host.state
+            return slots, [slot for slot in slots if state[slot] == READING]
         slots, waits = [], []
         for e in expert_ids:
             key = (layer_idx, e)
@@ -194,8 +224,8 @@ class TieredExperts(ExpertProvider):
                 self.host.pin(slot)
                 if count:
                     st.hits_host += 1
-                if self._prefetched[slot]:
-                    self._prefetched[slot] = False
+                if slot in self._prefetched:
+                    self._prefetched.discard(slot)
                     st.prefetch_useful += 1
                 if self.host.state[slot] == READING:
                     waits.append(slot)
@@ -282,11 +312,14 @@ class TieredExperts(ExpertProvider):
 
     def _begin(self, layer_idx: int, expert_ids: Sequence[int]) -> list[int]:
         """An acquire's start: the ids as ints, traced and counted; finished speculative reads reaped."""
-        expert_ids = expert_ids.tolist() if isinstance(expert_ids, torch.Tensor) else [int(e) for e in expert_ids]
+        # (a decode step's hot path, on caches its kernels just flushed: few, cheap operations)
+        expert_ids = list(map(int, expert_ids)) if type(expert_ids) is list or not isinstance(expert_ids, torch.Tensor) \
+            else expert_ids.tolist()
         if self.observer is not None:               # routing trace (experts/trace.py)
             self.observer(layer_idx, expert_ids)
         self.stats.layers[layer_idx].lookups += len(expert_ids)
-        self._reap_speculative()
+        if self._speculative:
+            self._reap_speculative()
         return expert_ids
 
     def acquire(self, layer_idx: int, expert_ids: Sequence[int]) -> list[ExpertWeights]:
@@ -298,7 +331,7 @@ class TieredExperts(ExpertProvider):
         else:
             slots = self._ensure_host(layer_idx, expert_ids)
             self._pinned.setdefault(layer_idx, []).append(("host", slots))
-            views = [self._view(self.host_bytes, "host", s, layer_idx) for s in slots]
+            views = self._host_views_of(layer_idx, slots)
         if self.prefetch:
             self._prefetch_after(layer_idx)
         return views
@@ -309,30 +342,32 @@ class TieredExperts(ExpertProvider):
         rest (a batch may be empty; one batch when nothing is missing), so that a decode step
         computes its cached experts while the disk reads the others. The next layer's guesses are
         queued after this layer's reads have landed, as in ``acquire``. The slots stay pinned until
-        ``release(layer_idx, expert_ids)``. (With a device tier: one batch, after ``acquire``.)"""
+        ``release(layer_idx, expert_ids)``. Returns an iterable of batches: a list when every expert
+        is cached (and with a device tier: one batch, after ``acquire``), else a generator, which the
+        caller closes (``close()``) if it stops early."""
         if self.dev is not None:
             views = self.acquire(layer_idx, expert_ids)
-            yield list(range(len(views))), views
-            return
+            return [(list(range(len(views))), views)]
         expert_ids = self._begin(layer_idx, expert_ids)
         slots, waits = self._pin_host(layer_idx, expert_ids)
         self._pinned.setdefault(layer_idx, []).append(("host", slots))
-        view = lambda i: self._view(self.host_bytes, "host", slots[i], layer_idx)   # noqa: E731
-        if not waits:
+        if not waits:          # (every expert cached: one batch, no generator)
             if self.prefetch:
                 self._prefetch_after(layer_idx)
-            yield list(range(len(slots))), [view(i) for i in range(len(slots))]
-            return
+            return [(list(range(len(slots))), self._host_views_of(layer_idx, slots))]
+        return self._batches_as_ready(layer_idx, slots, waits)
+
+    def _batches_as_ready(self, layer_idx: int, slots: list, waits: list):
         reading = set(waits)
         ready = [i for i, s in enumerate(slots) if s not in reading]
         try:
-            yield ready, [view(i) for i in ready]
+            yield ready, self._host_views_of(layer_idx, [slots[i] for i in ready])
         finally:      # (also when stopped early: no read may still be landing in a released slot)
             self._wait_host(layer_idx, waits)
         if self.prefetch:
             self._prefetch_after(layer_idx)
         rest = [i for i, s in enumerate(slots) if s in reading]
-        yield rest, [view(i) for i in rest]
+        yield rest, self._host_views_of(layer_idx, [slots[i] for i in rest])
 
     def acquire_runs(self, layer_idx: int, expert_ids: Sequence[int], run: int):
         """``acquire`` of ``expert_ids`` whose results arrive as they land: every miss is submitted at
@@ -358,7 +393,7 @@ class TieredExperts(ExpertProvider):
                 part = slots[i:i + run]
                 self._wait_host(layer_idx, [s for s in part if s in reading])
                 done = i + len(part)
-                yield expert_ids[i:i + run], [self._view(self.host_bytes, "host", s, layer_idx) for s in part]
+                yield expert_ids[i:i + run], self._host_views_of(layer_idx, part)
         finally:      # (stopped early: no read may still be landing in a slot once it is released)
             self._wait_host(layer_idx, [s for s in slots[done:] if s in reading])
 
@@ -375,8 +410,7 @@ class TieredExperts(ExpertProvider):
             done.record(torch.cuda.current_stream(self.device))
             for s in slots:
                 self._dev_reads[s] = done
-        for s in slots:
-            cache.unpin(s)
+        cache.unpin_all(slots)
 
     # -- prefetch -------------------------------------------------------------------------------
     def set_predictors(self, predictors: dict) -> None:
@@ -422,7 +456,7 @@ class TieredExperts(ExpertProvider):
                 if slot is None:
                     return                      # everything else is pinned or in flight: skip
                 self._host_submit(slot, nxt, e, urgent=False)
-                self._prefetched[slot] = True
+                self._prefetched.add(slot)
                 self._speculative.append(slot)
                 self.stats.layers[nxt].prefetch_issued += 1
 

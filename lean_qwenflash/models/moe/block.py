@@ -137,7 +137,8 @@ def routed_one(x: torch.Tensor, expert_ids: list, weights: list, provider, layer
             return out
         return kernels.experts_combine(x, held, parts, weights, ctx)
     finally:
-        batches.close()
+        if hasattr(batches, "close"):       # (a generator: its reads land before the release)
+            batches.close()
         provider.release(layer_idx, expert_ids)
 
 
