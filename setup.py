@@ -42,7 +42,7 @@ else:
 
 ext = Pybind11Extension(
     "lean_qwenflash._io",
-    sources=["csrc/io_engine.cpp", "csrc/uring_backend.cpp", "csrc/bindings.cpp"],
+    sources=["csrc/io_engine.cpp", "csrc/uring_backend.cpp", "csrc/slot_table.cpp", "csrc/bindings.cpp"],
     define_macros=macros,
     extra_compile_args=extra_compile,
     extra_link_args=extra_link,

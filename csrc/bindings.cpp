@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "io_engine.h"
+#include "slot_table.h"
 
 namespace py = pybind11;
 
@@ -203,6 +204,57 @@ PYBIND11_MODULE(_io, m) {
         .def_property_readonly("path", [](PyEngine& p) { return p.eng().path(); })
         .def_property_readonly("bytes_read", [](PyEngine& p) { return p.eng().bytes_read(); })
         .def_property_readonly("num_reads", [](PyEngine& p) { return p.eng().num_reads(); });
+
+    // The hot calls (pin_present, unpin_all) read their lists through the C API: a decode step
+    // makes them once per layer on cold CPU caches, where pybind11's generic casters cost more.
+    py::class_<SlotTable>(m, "SlotTable", "Slot states, pins and LRU order of one expert cache tier (experts/cache.py).")
+        .def(py::init<int>(), py::arg("num_slots"))
+        .def_property_readonly("num_slots", &SlotTable::num_slots)
+        .def("lookup", &SlotTable::lookup, py::arg("key"))
+        .def("pin", &SlotTable::pin, py::arg("slot"))
+        .def("unpin", &SlotTable::unpin, py::arg("slot"))
+        .def("mark_ready", &SlotTable::mark_ready, py::arg("slot"))
+        .def("make_cold", &SlotTable::make_cold, py::arg("slot"))
+        .def("allocate", [](SlotTable& t, int64_t key) {
+            int64_t evicted;
+            int slot = t.allocate(key, &evicted);
+            return std::make_pair(slot, evicted);
+        }, py::arg("key"))
+        .def("drop", &SlotTable::drop, py::arg("slot"))
+        .def("pin_present", [](SlotTable& t, int64_t group, py::list items) -> py::object {
+            const Py_ssize_t n = PyList_GET_SIZE(items.ptr());
+            std::vector<int64_t> keys(n);
+            std::vector<int> slots(n);
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                long long item = PyLong_AsLongLong(PyList_GET_ITEM(items.ptr(), i));
+                if (item == -1 && PyErr_Occurred()) throw py::error_already_set();
+                if (item < 0) throw std::invalid_argument("pin_present: negative item");
+                keys[i] = SlotTable::key(group, item);
+            }
+            if (!t.pin_present(keys.data(), static_cast<int>(n), slots.data())) return py::none();
+            PyObject* out = PyList_New(n);
+            if (!out) throw py::error_already_set();
+            for (Py_ssize_t i = 0; i < n; ++i) PyList_SET_ITEM(out, i, PyLong_FromLong(slots[i]));
+            return py::reinterpret_steal<py::object>(out);
+        }, py::arg("group"), py::arg("items"),
+             "Pin every item's slot, in order, and return the slots; None (nothing pinned) if one has none.")
+        .def("unpin_all", [](SlotTable& t, py::list slots) {
+            const Py_ssize_t n = PyList_GET_SIZE(slots.ptr());
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                long slot = PyLong_AsLong(PyList_GET_ITEM(slots.ptr(), i));
+                if (slot == -1 && PyErr_Occurred()) throw py::error_already_set();
+                t.unpin(static_cast<int>(slot));
+            }
+        }, py::arg("slots"))
+        .def("key_of", &SlotTable::key_of, py::arg("slot"))
+        .def("state", &SlotTable::state, py::arg("slot"))
+        .def("pins", &SlotTable::pins, py::arg("slot"))
+        .def("held", &SlotTable::held, py::arg("group"))
+        .def("held_by_group", &SlotTable::held_by_group)
+        .def("__len__", &SlotTable::size)
+        .def("num_pinned", &SlotTable::num_pinned)
+        .def("items", &SlotTable::items)
+        .def("lru_order", &SlotTable::lru_order);
 
     m.def("crc32c", [](py::buffer data, uint32_t seed) {
         py::buffer_info info = data.request();

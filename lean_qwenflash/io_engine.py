@@ -24,6 +24,7 @@ Engine = _io.Engine
 IoError = _io.IoError
 ALIGNMENT = _io.ALIGNMENT
 crc32c = _io.crc32c
+SlotTable = _io.SlotTable      # an expert cache tier's slot states (experts/cache.py)
 ENGINES = ("auto", "uring", "pread")
 
 

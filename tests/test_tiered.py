@@ -422,3 +422,115 @@ def test_prefetch_skips_a_layer_the_host_tier_holds_whole(packs):
                 tiers.close()
     finally:
         store.close()
+
+
+class _ReferenceSlots:
+    """The slot cache's rule written out plainly (lists, one LRU list): what the native table must do."""
+
+    def __init__(self, n):
+        self.key = [None] * n
+        self.state = [0] * n
+        self.pins = [0] * n
+        self.lru = []                       # evictable slots, least recent first
+        self.free = list(range(n - 1, -1, -1))
+
+    def _evictable(self, s):
+        if self.pins[s] == 0 and self.state[s] == 2 and self.key[s] is not None:
+            if s in self.lru:
+                self.lru.remove(s)
+            self.lru.append(s)
+
+    def lookup(self, key):
+        return self.key.index(key) if key in self.key else None
+
+    def allocate(self, key):
+        old = None
+        if self.free:
+            s = self.free.pop()
+        elif self.lru:
+            s = self.lru.pop(0)
+            old = self.key[s]
+        else:
+            return None, None
+        self.key[s], self.state[s] = key, 1
+        return s, old
+
+    def pin(self, s):
+        self.pins[s] += 1
+        if s in self.lru:
+            self.lru.remove(s)
+
+    def unpin(self, s):
+        self.pins[s] -= 1
+        self._evictable(s)
+
+    def mark_ready(self, s):
+        self.state[s] = 2
+        self._evictable(s)
+
+    def make_cold(self, s):
+        if s in self.lru:
+            self.lru.remove(s)
+            self.lru.insert(0, s)
+
+    def drop(self, s):
+        if self.key[s] is None:             # (nothing held: a second drop changes nothing)
+            return
+        self.key[s], self.state[s] = None, 0
+        if s in self.lru:
+            self.lru.remove(s)
+        if self.pins[s] == 0:
+            self.free.append(s)
+
+
+def test_slot_cache_keeps_the_lru_rule_through_random_operations():
+    """The native slot table (csrc/slot_table.cpp) against the rule written out in Python: the same
+    victims, the same LRU order, pins, states and per-layer counts after every operation, and
+    pin_present all-or-nothing."""
+    from lean_qwenflash.experts.cache import SlotCache
+    rng = random.Random(7)
+    for trial in range(150):
+        n = rng.randint(1, 7)
+        ref, got = _ReferenceSlots(n), SlotCache(n)
+        for step in range(150):
+            op = rng.choice(["alloc", "alloc", "pin", "unpin", "ready", "cold", "drop", "present", "release"])
+            key, s = (rng.randint(0, 2), rng.randint(0, 5)), rng.randrange(n)
+            where = (trial, step, op)
+            if op == "alloc" and ref.lookup(key) is None:
+                assert got.allocate(key) == ref.allocate(key), where
+            elif op == "pin" and ref.key[s] is not None:
+                ref.pin(s), got.pin(s)
+            elif op == "unpin" and ref.pins[s] > 0:
+                ref.unpin(s), got.unpin(s)
+            elif op == "ready" and ref.key[s] is not None:
+                ref.mark_ready(s), got.mark_ready(s)
+            elif op == "cold":
+                ref.make_cold(s), got.make_cold(s)
+            elif op == "drop" and ref.pins[s] == 0:
+                ref.drop(s), got.drop(s)
+            elif op == "present":
+                layer, items = key[0], rng.sample(range(6), rng.randint(1, 3))
+                want = [ref.lookup((layer, e)) for e in items]
+                slots = got.pin_present(layer, items)
+                if None in want:
+                    assert slots is None, where
+                else:
+                    assert slots == want, where
+                    for slot in want:
+                        ref.pin(slot)
+            elif op == "release":
+                pinned = [slot for slot in range(n) if ref.pins[slot]]
+                for slot in pinned:
+                    ref.unpin(slot)
+                got.unpin_all(pinned)
+            assert got.lru_order() == ref.lru, where
+            assert [got.pins(i) for i in range(n)] == ref.pins, where
+            assert [got.state(i) for i in range(n)] == ref.state, where
+            assert [got.key_of(i) for i in range(n)] == ref.key, where
+            assert got.slot_of == {k: i for i, k in enumerate(ref.key) if k is not None}, where
+            assert got.held == Counter(k[0] for k in ref.key if k is not None), where
+            assert got.num_pinned() == sum(1 for p in ref.pins if p), where
+    with pytest.raises(RuntimeError, match="unpinned more often"):
+        SlotCache(2).unpin(0)
+    with pytest.raises(ValueError, match="non-negative"):
+        SlotCache(2).allocate((-1, 3))

@@ -1,110 +1,112 @@
 """A fixed set of record-sized slots with LRU replacement and pinning.
 
-Invariant: a slot is evictable only when it is in ``lru``, i.e. it holds complete, verified
+Invariant: a slot is evictable only when it is in the LRU order, i.e. it holds complete, verified
 bytes (no read or copy in flight) and nothing is computing with it (pin count 0). Everything else
-(pinned, reading, copying) is simply absent from ``lru`` and so can never be handed to another
-expert.
+(pinned, reading, copying) is simply absent from it and so can never be handed to another expert.
+
+Keys are ``(group, item)`` pairs of non-negative ints (a streaming provider's ``(layer, expert)``);
+``held_in(group)`` counts the keys of a group that have a slot (READING or READY). The state lives
+in a native ``SlotTable`` (csrc/slot_table.cpp): a decode step looks its experts up right after
+kernels that flushed the CPU caches, where every Python object it touches costs a memory round trip.
 """
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from typing import Callable, Hashable, Optional
+from collections import Counter
+from typing import Optional
+
+from ..io_engine import SlotTable
 
 EMPTY, READING, READY = 0, 1, 2
+_SHIFT = 32          # a key's native form: group << 32 | item
+
+
+def _native(key) -> int:
+    group, item = key
+    if not (0 <= group < 1 << 31 and 0 <= item < 1 << _SHIFT):
+        raise ValueError(f"slot cache key {key!r}: group and item must be non-negative ints")
+    return (int(group) << _SHIFT) | int(item)
+
+
+def _key(native: int):
+    return (native >> _SHIFT, native & ((1 << _SHIFT) - 1))
 
 
 class SlotCache:
-    """``group_of`` (optional): a key's group (a streaming provider's: the layer); ``held[g]`` then
-    counts the keys of group g that have a slot (READING or READY)."""
-
-    def __init__(self, num_slots: int, group_of: Optional[Callable] = None):
+    def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self.group_of = group_of
-        self.held: Counter = Counter()
-        self.key_of: list = [None] * num_slots
-        self.slot_of: dict = {}
-        self.state = [EMPTY] * num_slots
-        self.pins = [0] * num_slots
-        self.lru: "OrderedDict[int, None]" = OrderedDict()   # evictable slots, least recent first
-        self.free = list(range(num_slots - 1, -1, -1))
+        self._t = SlotTable(num_slots)
 
-    def lookup(self, key: Hashable) -> Optional[int]:
-        return self.slot_of.get(key)
-
-    def lookup_all(self, keys) -> list:
-        """``lookup`` of each key (None where it has no slot)."""
-        get = self.slot_of.get
-        return [get(k) for k in keys]
+    # -- one slot -------------------------------------------------------------------------------
+    def lookup(self, key) -> Optional[int]:
+        slot = self._t.lookup(_native(key))
+        return None if slot < 0 else slot
 
     def pin(self, slot: int) -> None:
-        self.pins[slot] += 1
-        self.lru.pop(slot, None)
+        self._t.pin(slot)
 
     def unpin(self, slot: int) -> None:
-        self.pins[slot] -= 1
-        assert self.pins[slot] >= 0, "slot unpinned more often than pinned"
-        self._maybe_evictable(slot)
-
-    def pin_all(self, slots) -> None:
-        """``pin`` of each slot, in order (a hot path: one call for a layer's experts)."""
-        pins, lru_pop = self.pins, self.lru.pop
-        for slot in slots:
-            pins[slot] += 1
-            lru_pop(slot, None)
-
-    def unpin_all(self, slots) -> None:
-        """``unpin`` of each slot, in order."""
-        pins, state, key_of, lru = self.pins, self.state, self.key_of, self.lru
-        for slot in slots:
-            n = pins[slot] - 1
-            assert n >= 0, "slot unpinned more often than pinned"
-            pins[slot] = n
-            if n == 0 and state[slot] == READY and key_of[slot] is not None:
-                lru[slot] = None          # (a pinned slot is never in lru: this appends it)
+        self._t.unpin(slot)            # (RuntimeError when unpinned more often than pinned)
 
     def mark_ready(self, slot: int) -> None:
-        self.state[slot] = READY
-        self._maybe_evictable(slot)
-
-    def _maybe_evictable(self, slot: int) -> None:
-        if self.pins[slot] == 0 and self.state[slot] == READY and self.key_of[slot] is not None:
-            self.lru[slot] = None
-            self.lru.move_to_end(slot)
+        self._t.mark_ready(slot)
 
     def make_cold(self, slot: int) -> None:
         """Put an evictable slot first in line for eviction (its contents live on elsewhere)."""
-        if slot in self.lru:
-            self.lru.move_to_end(slot, last=False)
+        self._t.make_cold(slot)
 
-    def allocate(self, key: Hashable):
+    def allocate(self, key):
         """A slot for ``key`` in state READING: a free one, else the least recently used
         evictable one. Returns (slot, evicted_key) or (None, None) when every slot is busy."""
-        if self.free:
-            slot, old = self.free.pop(), None
-        elif self.lru:
-            slot, _ = self.lru.popitem(last=False)
-            old = self.key_of[slot]
-            del self.slot_of[old]
-            if self.group_of is not None:
-                self.held[self.group_of(old)] -= 1
-        else:
+        slot, old = self._t.allocate(_native(key))
+        if slot < 0:
             return None, None
-        if self.group_of is not None:
-            self.held[self.group_of(key)] += 1
-        self.key_of[slot] = key
-        self.slot_of[key] = slot
-        self.state[slot] = READING
-        return slot, old
+        return slot, (None if old < 0 else _key(old))
 
     def drop(self, slot: int) -> None:
         """Forget a slot's contents (after a failed read)."""
-        key = self.key_of[slot]
-        if key is not None:
-            self.slot_of.pop(key, None)
-            if self.group_of is not None:
-                self.held[self.group_of(key)] -= 1
-        self.key_of[slot] = None
-        self.state[slot] = EMPTY
-        self.lru.pop(slot, None)
-        if self.pins[slot] == 0:
-            self.free.append(slot)
+        self._t.drop(slot)
+
+    def key_of(self, slot: int):
+        k = self._t.key_of(slot)
+        return None if k < 0 else _key(k)
+
+    def state(self, slot: int) -> int:
+        return self._t.state(slot)
+
+    def pins(self, slot: int) -> int:
+        return self._t.pins(slot)
+
+    # -- many slots (a layer's experts in one call) ---------------------------------------------
+    def pin_present(self, group: int, items: list) -> Optional[list]:
+        """When every ``(group, item)`` has a slot: pin them in order and return the slots; else
+        None, with nothing pinned. ``items``: a list of ints."""
+        return self._t.pin_present(group, items)
+
+    def unpin_all(self, slots: list) -> None:
+        """``unpin`` of each slot, in order."""
+        self._t.unpin_all(slots)
+
+    # -- what it holds (statistics, tests) ------------------------------------------------------
+    def held_in(self, group: int) -> int:
+        return self._t.held(group)
+
+    @property
+    def held(self) -> Counter:
+        """Keys with a slot, counted by group (the table's own counts)."""
+        return Counter({g: n for g, n in enumerate(self._t.held_by_group()) if n})
+
+    @property
+    def slot_of(self) -> dict:
+        """{key: slot} of every key with a slot (a copy)."""
+        return {_key(k): s for k, s in self._t.items()}
+
+    def num_keys(self) -> int:
+        """How many keys have a slot."""
+        return len(self._t)
+
+    def num_pinned(self) -> int:
+        return self._t.num_pinned()
+
+    def lru_order(self) -> list:
+        """The evictable slots, least recently used first."""
+        return self._t.lru_order()

@@ -33,10 +33,6 @@ from .provider import ExpertProvider, ExpertWeights
 from .stats import TierStats
 
 
-def _layer_of(key) -> int:
-    return key[0]          # a host slot's key is (layer, expert id)
-
-
 class TieredExperts(ExpertProvider):
     # Routing-trace hook (experts/trace.py TraceWriter): called with (layer, ids) on every acquire.
     observer = None
@@ -60,7 +56,7 @@ class TieredExperts(ExpertProvider):
         # Never more slots than the pack has records: a small model does not get a 1 GiB arena.
         num_host = min(num_host, max(top_k, store.manifest.num_records))
         self.device = torch.device(device)
-        self.host = SlotCache(num_host, group_of=_layer_of)
+        self.host = SlotCache(num_host)             # keys (layer, expert id)
         self._num_experts = {l: store.layer(l).num_experts for l in self.layers}
         self.arena = AlignedBuffer(num_host * self.slot_bytes)
         self.host_bytes = torch.frombuffer(self.arena, dtype=torch.uint8).view(num_host, self.slot_bytes)
@@ -177,11 +173,11 @@ class TieredExperts(ExpertProvider):
         rid = self._host_requests.pop(slot, None)
         if rid is None:
             return
-        layer_idx, expert_id = self.host.key_of[slot]
+        layer_idx, expert_id = self.host.key_of(slot)
         try:
             service_s = self.store.finish(rid, layer_idx, expert_id, self.arena, slot * self.slot_bytes)
         except Exception:
-            pins = self.host.pins[slot]
+            pins = self.host.pins(slot)
             for _ in range(pins):
                 self.host.unpin(slot)
             self.host.drop(slot)
@@ -201,11 +197,10 @@ class TieredExperts(ExpertProvider):
         once: the engine's queue depth works on them together); returns (slots, slots still READING)."""
         st = self.stats.layers[layer_idx]
         host = self.host
-        slots = host.lookup_all([(layer_idx, e) for e in expert_ids])
-        if None not in slots:
-            # Every expert has a slot (the common case once warm): the loop below without its
-            # branches, in the same order (pins, then the counters).
-            host.pin_all(slots)
+        slots = host.pin_present(layer_idx, expert_ids)
+        if slots is not None:
+            # Every expert has a slot (the common case once warm), now pinned in order: the loop
+            # below without its branches, in one native call.
             if self._prefetched:
                 useful = self._prefetched.intersection(slots)
                 self._prefetched -= useful
@@ -214,8 +209,7 @@ class TieredExperts(ExpertProvider):
                 st.hits_host += len(slots)
             if not self._host_requests:          # (no read in flight: none of them is READING)
                 return slots, []
-            state = host.state
-            return slots, [slot for slot in slots if state[slot] == READING]
+            return slots, [slot for slot in slots if host.state(slot) == READING]
         slots, waits = [], []
         for e in expert_ids:
             key = (layer_idx, e)
@@ -227,7 +221,7 @@ class TieredExperts(ExpertProvider):
                 if slot in self._prefetched:
                     self._prefetched.discard(slot)
                     st.prefetch_useful += 1
-                if self.host.state[slot] == READING:
+                if self.host.state(slot) == READING:
                     waits.append(slot)
             else:
                 slot = self._host_alloc(key, layer_idx)
@@ -444,7 +438,7 @@ class TieredExperts(ExpertProvider):
         if hidden is None:
             return
         for nxt in self._next_layers[layer_idx][: self.prefetch_lookahead]:
-            if nxt not in self.predictors or self.host.held[nxt] >= self._num_experts[nxt]:
+            if nxt not in self.predictors or self.host.held_in(nxt) >= self._num_experts[nxt]:
                 continue            # (the host tier holds every expert of that layer: nothing to read)
             for e in self._predict(nxt, hidden):
                 key = (nxt, e)

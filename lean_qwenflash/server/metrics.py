@@ -175,8 +175,8 @@ class Metrics:
             for name, cache in (("host", getattr(p, "host", None)), ("device", getattr(p, "dev", None))):
                 if cache is None:
                     continue
-                tiers[name] = {"slots": cache.num_slots, "used": len(cache.slot_of),
-                               "pinned": sum(1 for n in cache.pins if n), "slot_bytes": p.slot_bytes,
+                tiers[name] = {"slots": cache.num_slots, "used": cache.num_keys(),
+                               "pinned": cache.num_pinned(), "slot_bytes": p.slot_bytes,
                                "bytes": cache.num_slots * p.slot_bytes}
             out["caches"] = tiers
         return out
