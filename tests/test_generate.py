@@ -194,3 +194,17 @@ def test_stop_during_a_long_prefill_ends_before_the_next_chunk(gen):
     run.stop("cancelled")
     run.step()
     assert run.done and run.finish_reason == "cancelled" and run.state.num_tokens == 4 and run.num_generated == 0
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-300, 5e-324])
+def test_a_tiny_temperature_samples_the_best_token_instead_of_failing(temperature):
+    """logits / temperature overflows to inf for a tiny positive temperature; softmax of inf is nan
+    and torch.multinomial raised (a server 500 found by the OpenAPI fuzz test). It must pick the
+    best token, as the limit of sampling at that temperature does."""
+    import torch
+    from lean_qwenflash.generate.sampling import Sampler
+    logits = torch.tensor([1.5, 40.0, -3.0, 39.0, 0.0])
+    for top_p, top_k, min_p in ((1.0, 0, 0.0), (0.9, 3, 0.1)):
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=3)
+        sampler = Sampler(params, vocab_size=5, prompt_ids=[0])
+        assert [sampler.sample(logits) for _ in range(5)] == [1] * 5

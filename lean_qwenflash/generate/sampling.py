@@ -78,7 +78,12 @@ class Sampler:
             logits -= p.frequency_penalty * self.output_counts + p.presence_penalty * (self.output_counts > 0)
         if p.greedy:
             return int(torch.argmax(logits))
-        logits = logits / p.temperature
+        scaled = logits / p.temperature
+        if not bool(torch.isfinite(scaled.max())):
+            # A tiny temperature overflows the division (or rounds to 0 in float32), and softmax
+            # of inf is nan: sampling at that temperature is picking the best token.
+            return int(torch.argmax(logits))
+        logits = scaled
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, -math.inf)
