@@ -205,21 +205,29 @@ PYBIND11_MODULE(_io, m) {
         .def_property_readonly("bytes_read", [](PyEngine& p) { return p.eng().bytes_read(); })
         .def_property_readonly("num_reads", [](PyEngine& p) { return p.eng().num_reads(); });
 
-    // The hot calls (pin_present, unpin_all) read their lists through the C API: a decode step
-    // makes them once per layer on cold CPU caches, where pybind11's generic casters cost more.
+    // Keys cross as (group, item) pairs; SlotTable::key is their one encoding. The hot calls
+    // (pin_present, unpin_all) read their lists through the C API: a decode step makes them once
+    // per layer on cold CPU caches, where pybind11's generic casters cost more.
+    static const int kSlotEmpty = SlotTable::EMPTY, kSlotReading = SlotTable::READING, kSlotReady = SlotTable::READY;
+    auto key_or_none = [](int64_t key) -> py::object {
+        if (key < 0) return py::none();
+        return py::make_tuple(SlotTable::group_of(key), SlotTable::item_of(key));
+    };
     py::class_<SlotTable>(m, "SlotTable", "Slot states, pins and LRU order of one expert cache tier (experts/cache.py).")
         .def(py::init<int>(), py::arg("num_slots"))
         .def_property_readonly("num_slots", &SlotTable::num_slots)
-        .def("lookup", &SlotTable::lookup, py::arg("key"))
+        .def("lookup", [](const SlotTable& t, int64_t group, int64_t item) {
+            return t.lookup(SlotTable::key(group, item));
+        }, py::arg("group"), py::arg("item"), "The slot holding (group, item), or -1.")
         .def("pin", &SlotTable::pin, py::arg("slot"))
         .def("unpin", &SlotTable::unpin, py::arg("slot"))
         .def("mark_ready", &SlotTable::mark_ready, py::arg("slot"))
         .def("make_cold", &SlotTable::make_cold, py::arg("slot"))
-        .def("allocate", [](SlotTable& t, int64_t key) {
+        .def("allocate", [key_or_none](SlotTable& t, int64_t group, int64_t item) {
             int64_t evicted;
-            int slot = t.allocate(key, &evicted);
-            return std::make_pair(slot, evicted);
-        }, py::arg("key"))
+            int slot = t.allocate(SlotTable::key(group, item), &evicted);
+            return py::make_tuple(slot, key_or_none(evicted));
+        }, py::arg("group"), py::arg("item"), "(slot or -1, the evicted key or None).")
         .def("drop", &SlotTable::drop, py::arg("slot"))
         .def("pin_present", [](SlotTable& t, int64_t group, py::list items) -> py::object {
             const Py_ssize_t n = PyList_GET_SIZE(items.ptr());
@@ -228,7 +236,6 @@ PYBIND11_MODULE(_io, m) {
             for (Py_ssize_t i = 0; i < n; ++i) {
                 long long item = PyLong_AsLongLong(PyList_GET_ITEM(items.ptr(), i));
                 if (item == -1 && PyErr_Occurred()) throw py::error_already_set();
-                if (item < 0) throw std::invalid_argument("pin_present: negative item");
                 keys[i] = SlotTable::key(group, item);
             }
             if (!t.pin_present(keys.data(), static_cast<int>(n), slots.data())) return py::none();
@@ -240,21 +247,31 @@ PYBIND11_MODULE(_io, m) {
              "Pin every item's slot, in order, and return the slots; None (nothing pinned) if one has none.")
         .def("unpin_all", [](SlotTable& t, py::list slots) {
             const Py_ssize_t n = PyList_GET_SIZE(slots.ptr());
+            std::vector<int> ids(n);
             for (Py_ssize_t i = 0; i < n; ++i) {
                 long slot = PyLong_AsLong(PyList_GET_ITEM(slots.ptr(), i));
                 if (slot == -1 && PyErr_Occurred()) throw py::error_already_set();
-                t.unpin(static_cast<int>(slot));
+                ids[i] = static_cast<int>(slot);
             }
+            t.unpin_all(ids.data(), static_cast<int>(n));
         }, py::arg("slots"))
-        .def("key_of", &SlotTable::key_of, py::arg("slot"))
+        .def("key_of", [key_or_none](const SlotTable& t, int slot) { return key_or_none(t.key_of(slot)); },
+             py::arg("slot"), "(group, item) held by the slot, or None.")
         .def("state", &SlotTable::state, py::arg("slot"))
         .def("pins", &SlotTable::pins, py::arg("slot"))
         .def("held", &SlotTable::held, py::arg("group"))
         .def("held_by_group", &SlotTable::held_by_group)
         .def("__len__", &SlotTable::size)
         .def("num_pinned", &SlotTable::num_pinned)
-        .def("items", &SlotTable::items)
-        .def("lru_order", &SlotTable::lru_order);
+        .def("items", [key_or_none](const SlotTable& t) {
+            py::dict out;
+            for (const auto& kv : t.items()) out[key_or_none(kv.first)] = kv.second;
+            return out;
+        }, "{(group, item): slot} of every key with a slot.")
+        .def("lru_order", &SlotTable::lru_order)
+        .def_readonly_static("EMPTY", &kSlotEmpty)
+        .def_readonly_static("READING", &kSlotReading)
+        .def_readonly_static("READY", &kSlotReady);
 
     m.def("crc32c", [](py::buffer data, uint32_t seed) {
         py::buffer_info info = data.request();

@@ -18,6 +18,13 @@ SlotTable::SlotTable(int num_slots) {
     slot_of_.reserve(static_cast<size_t>(num_slots) * 2);
 }
 
+int64_t SlotTable::key(int64_t group, int64_t item) {
+    if (group < 0 || group >= (int64_t(1) << 31) || item < 0 || item >= (int64_t(1) << 32))
+        throw std::invalid_argument("slot cache key (" + std::to_string(group) + ", " + std::to_string(item) +
+                                    "): group and item must be non-negative ints");
+    return (group << 32) | item;
+}
+
 int SlotTable::check(int slot) const {
     if (slot < 0 || slot >= num_slots())
         throw std::out_of_range("slot " + std::to_string(slot) + " out of range (" + std::to_string(num_slots()) + " slots)");
@@ -92,7 +99,6 @@ void SlotTable::make_cold(int slot) {
 }
 
 int SlotTable::allocate(int64_t key, int64_t* evicted) {
-    if (key < 0) throw std::invalid_argument("SlotTable: negative key");
     *evicted = -1;
     int slot;
     if (!free_.empty()) {

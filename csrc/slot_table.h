@@ -49,8 +49,11 @@ class SlotTable {
     std::vector<std::pair<int64_t, int>> items() const;            // (key, slot), any order
     std::vector<int> lru_order() const;                            // least recent first
 
-    static int64_t key(int64_t group, int64_t item) { return (group << 32) | item; }
+    // A key's one encoding: group << 32 | item (std::invalid_argument unless 0 <= group < 2^31
+    // and 0 <= item < 2^32).
+    static int64_t key(int64_t group, int64_t item);
     static int64_t group_of(int64_t key) { return key >> 32; }
+    static int64_t item_of(int64_t key) { return key & 0xffffffffLL; }
 
    private:
     int check(int slot) const;
