@@ -95,13 +95,16 @@ class TieredExperts(ExpertProvider):
         self.prefetch_extra = prefetch_extra
         self._hidden: dict[int, torch.Tensor] = {}
         self._pinned: dict[int, list] = {}
-        # Cached views per (tier, layout): a list indexed by slot, filled on first use. Layers with
-        # the same record layout share one set of views per slot.
-        self._views: dict = {}
+        # Each slot's views per tier, made on first use: a list per record layout (indexed by slot),
+        # reached by layer, so that layers with the same layout share them.
         layouts: dict = {}
-        self._layout_id = {l: layouts.setdefault(store.layer(l).tensors, len(layouts)) for l in self.layers}
-        self._host_views = {l: [None] * num_host for l in set(self._layout_id.values())}
-        self._host_views = {l: self._host_views[self._layout_id[l]] for l in self.layers}   # by layer
+        layout_id = {l: layouts.setdefault(store.layer(l).tensors, len(layouts)) for l in self.layers}
+
+        def slot_views(num_slots: int) -> dict:
+            per_layout = [[None] * num_slots for _ in layouts]
+            return {l: per_layout[layout_id[l]] for l in self.layers}
+        self._host_views = slot_views(num_host)
+        self._dev_views = slot_views(self.dev.num_slots) if self.dev is not None else {}
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -113,22 +116,16 @@ class TieredExperts(ExpertProvider):
         return self.host.num_slots
 
     # -- views ----------------------------------------------------------------------------------
-    def _view(self, base: torch.Tensor, tier: str, slot: int, layer_idx: int) -> ExpertWeights:
-        key = (tier, slot, self._layout_id[layer_idx])
-        v = self._views.get(key)
-        if v is None:
-            v = self._views[key] = record_views(self.store.layer(layer_idx), base[slot])
-        return v
-
-    def _host_views_of(self, layer_idx: int, slots: Sequence[int]) -> list[ExpertWeights]:
-        """The cached views of these host slots as records of ``layer_idx`` (the hot path: one
+    def _views_of(self, layer_idx: int, slots: Sequence[int], dev: bool = False) -> list[ExpertWeights]:
+        """The views of these host (device) slots as records of ``layer_idx`` (the hot path: one
         list lookup per slot once made)."""
-        cached = self._host_views[layer_idx]
+        cached = (self._dev_views if dev else self._host_views)[layer_idx]
         views = [cached[s] for s in slots]
         if None in views:
+            base = self.dev_bytes if dev else self.host_bytes
             for i, s in enumerate(slots):
                 if views[i] is None:
-                    views[i] = cached[s] = self._view(self.host_bytes, "host", s, layer_idx)
+                    views[i] = cached[s] = record_views(self.store.layer(layer_idx), base[s])
         return views
 
     # -- host tier ------------------------------------------------------------------------------
@@ -160,7 +157,7 @@ class TieredExperts(ExpertProvider):
 
     def _evicted(self, slot: int, old_key) -> None:
         if slot in self._prefetched:
-            self._prefetched.discard(slot)
+            self._prefetched.remove(slot)
             self.stats.layers[old_key[0]].prefetch_wasted += 1
 
     def _host_submit(self, slot: int, layer_idx: int, expert_id: int, urgent: bool) -> None:
@@ -213,19 +210,19 @@ class TieredExperts(ExpertProvider):
         slots, waits = [], []
         for e in expert_ids:
             key = (layer_idx, e)
-            slot = self.host.lookup(key)
+            slot = host.lookup(key)
             if slot is not None:
-                self.host.pin(slot)
+                host.pin(slot)
                 if count:
                     st.hits_host += 1
                 if slot in self._prefetched:
-                    self._prefetched.discard(slot)
+                    self._prefetched.remove(slot)
                     st.prefetch_useful += 1
-                if self.host.state(slot) == READING:
+                if host.state(slot) == READING:
                     waits.append(slot)
             else:
                 slot = self._host_alloc(key, layer_idx)
-                self.host.pin(slot)
+                host.pin(slot)
                 st.misses += 1
                 self._host_submit(slot, layer_idx, e, urgent=True)
                 waits.append(slot)
@@ -306,9 +303,12 @@ class TieredExperts(ExpertProvider):
 
     def _begin(self, layer_idx: int, expert_ids: Sequence[int]) -> list[int]:
         """An acquire's start: the ids as ints, traced and counted; finished speculative reads reaped."""
-        # (a decode step's hot path, on caches its kernels just flushed: few, cheap operations)
-        expert_ids = list(map(int, expert_ids)) if type(expert_ids) is list or not isinstance(expert_ids, torch.Tensor) \
-            else expert_ids.tolist()
+        # (a decode step's hot path, on caches its kernels just flushed: a list, the usual case, skips
+        # torch's slow isinstance)
+        if type(expert_ids) is not list and isinstance(expert_ids, torch.Tensor):
+            expert_ids = expert_ids.tolist()
+        else:
+            expert_ids = list(map(int, expert_ids))
         if self.observer is not None:               # routing trace (experts/trace.py)
             self.observer(layer_idx, expert_ids)
         self.stats.layers[layer_idx].lookups += len(expert_ids)
@@ -321,11 +321,11 @@ class TieredExperts(ExpertProvider):
         if self.dev is not None:
             slots = self._acquire_device(layer_idx, expert_ids)
             self._pinned.setdefault(layer_idx, []).append(("dev", slots))
-            views = [self._view(self.dev_bytes, "dev", s, layer_idx) for s in slots]
+            views = self._views_of(layer_idx, slots, dev=True)
         else:
             slots = self._ensure_host(layer_idx, expert_ids)
             self._pinned.setdefault(layer_idx, []).append(("host", slots))
-            views = self._host_views_of(layer_idx, slots)
+            views = self._views_of(layer_idx, slots)
         if self.prefetch:
             self._prefetch_after(layer_idx)
         return views
@@ -348,20 +348,20 @@ class TieredExperts(ExpertProvider):
         if not waits:          # (every expert cached: one batch, no generator)
             if self.prefetch:
                 self._prefetch_after(layer_idx)
-            return [(list(range(len(slots))), self._host_views_of(layer_idx, slots))]
+            return [(list(range(len(slots))), self._views_of(layer_idx, slots))]
         return self._batches_as_ready(layer_idx, slots, waits)
 
     def _batches_as_ready(self, layer_idx: int, slots: list, waits: list):
         reading = set(waits)
         ready = [i for i, s in enumerate(slots) if s not in reading]
         try:
-            yield ready, self._host_views_of(layer_idx, [slots[i] for i in ready])
+            yield ready, self._views_of(layer_idx, [slots[i] for i in ready])
         finally:      # (also when stopped early: no read may still be landing in a released slot)
             self._wait_host(layer_idx, waits)
         if self.prefetch:
             self._prefetch_after(layer_idx)
         rest = [i for i, s in enumerate(slots) if s in reading]
-        yield rest, self._host_views_of(layer_idx, [slots[i] for i in rest])
+        yield rest, self._views_of(layer_idx, [slots[i] for i in rest])
 
     def acquire_runs(self, layer_idx: int, expert_ids: Sequence[int], run: int):
         """``acquire`` of ``expert_ids`` whose results arrive as they land: every miss is submitted at
@@ -387,7 +387,7 @@ class TieredExperts(ExpertProvider):
                 part = slots[i:i + run]
                 self._wait_host(layer_idx, [s for s in part if s in reading])
                 done = i + len(part)
-                yield expert_ids[i:i + run], self._host_views_of(layer_idx, part)
+                yield expert_ids[i:i + run], self._views_of(layer_idx, part)
         finally:      # (stopped early: no read may still be landing in a slot once it is released)
             self._wait_host(layer_idx, [s for s in slots[done:] if s in reading])
 
