@@ -40,27 +40,43 @@ def uring_compiled() -> bool:
     return _io.uring_compiled()
 
 
-def measure_random_reads(engine, block: int, seconds: float) -> tuple[int, float]:
+def measure_random_reads(engine, block: int, seconds: float, dest=None) -> tuple[int, float]:
     """Keep ``engine.queue_depth`` reads of ``block`` bytes at random block-aligned offsets in
     flight for about ``seconds``; returns (reads completed, elapsed seconds). Used by `doctor`
-    and the benchmarks so they all measure bandwidth the same way."""
+    and the benchmarks so they all measure bandwidth the same way.
+
+    The reads land in ``queue_depth`` fixed slots of a small buffer, or, with ``dest`` (a buffer
+    of at least ``queue_depth`` blocks, e.g. a host cache's arena), in block-sized slots of
+    ``dest`` picked at random as a cache's evictions pick them. The two can differ: some virtual
+    machines read markedly slower into memory spread over a large buffer than into a few hot
+    megabytes."""
     import random
     depth = engine.queue_depth
     nblocks = engine.file_size // block
     if nblocks == 0:
         raise ValueError(f"{engine.path} is smaller than one {block}-byte block")
-    slots = AlignedBuffer(block * depth)
     rng = random.Random()            # fresh offsets each run: no help from host-side caching
+    if dest is None:
+        slots, nslots = AlignedBuffer(block * depth), depth
+    else:
+        slots, nslots = dest, len(memoryview(dest).cast("B")) // block
+        if nslots < depth:
+            raise ValueError(f"the destination holds {nslots} blocks of {block} bytes; the probe needs "
+                             f"at least the queue depth ({depth})")
+    free = list(range(nslots))
     inflight, k, done = [], 0, 0
     t0 = time.perf_counter()
     while True:
         while len(inflight) < depth:
-            # FIFO: the slot of the read just completed is the one reused.
-            inflight.append(engine.submit(slots, (k % depth) * block, rng.randrange(nblocks) * block, block, k))
+            # a free slot: with a small buffer, the one just completed (FIFO); in ``dest``, any
+            slot = free.pop(rng.randrange(len(free)) if dest is not None else 0)
+            inflight.append((engine.submit(slots, slot * block, rng.randrange(nblocks) * block, block, k), slot))
             k += 1
-        engine.wait(inflight.pop(0))
+        rid, slot = inflight.pop(0)
+        engine.wait(rid)
+        free.append(slot)
         done += 1
         if time.perf_counter() - t0 >= seconds:
             break
-    engine.wait_all(inflight)
+    engine.wait_all([rid for rid, _ in inflight])
     return done + len(inflight), time.perf_counter() - t0

@@ -73,6 +73,8 @@ def test_doctor_reports_engine_and_suggests_sizes(tiny_pack):
     assert "engine (auto):" in r.stdout and "O_DIRECT:" in r.stdout and "host_cache_bytes:" in r.stdout
     expected = "uring" if io_engine.uring_compiled() else "pread"
     assert f"engine (auto): {expected}" in r.stdout
+    # the second read probe: the same reads landing across a host-cache-sized buffer
+    assert "GB/s landing across a" in r.stdout and "as the host cache's reads do" in r.stdout
 
 
 def test_doctor_explains_missing_io_uring(tiny_pack):
