@@ -213,8 +213,15 @@ PYBIND11_MODULE(_io, m) {
         if (key < 0) return py::none();
         return py::make_tuple(SlotTable::group_of(key), SlotTable::item_of(key));
     };
-    py::class_<SlotTable>(m, "SlotTable", "Slot states, pins and LRU order of one expert cache tier (experts/cache.py).")
-        .def(py::init<int>(), py::arg("num_slots"))
+    static const int64_t kDecaySlots = SlotTable::kDecaySlots;
+    py::class_<SlotTable>(m, "SlotTable", "Slot states, pins and eviction order (LRU or LFU) of one expert cache tier (experts/cache.py).")
+        .def(py::init([](int num_slots, const std::string& policy, int64_t decay_every) {
+            return new SlotTable(num_slots, SlotTable::policy_named(policy), decay_every);
+        }), py::arg("num_slots"), py::arg("policy") = "lru", py::arg("decay_every") = 0)
+        .def_property_readonly("policy", [](const SlotTable& t) { return t.policy() == SlotTable::LFU ? "lfu" : "lru"; })
+        .def_property_readonly("decay_every", &SlotTable::decay_every)
+        .def("uses", [](const SlotTable& t, int64_t group, int64_t item) { return t.uses(SlotTable::key(group, item)); },
+             py::arg("group"), py::arg("item"), "LFU: the (decayed) use count of (group, item); 0 under LRU.")
         .def_property_readonly("num_slots", &SlotTable::num_slots)
         .def("lookup", [](const SlotTable& t, int64_t group, int64_t item) {
             return t.lookup(SlotTable::key(group, item));
@@ -268,7 +275,8 @@ PYBIND11_MODULE(_io, m) {
             for (const auto& kv : t.items()) out[key_or_none(kv.first)] = kv.second;
             return out;
         }, "{(group, item): slot} of every key with a slot.")
-        .def("lru_order", &SlotTable::lru_order)
+        .def("eviction_order", &SlotTable::eviction_order, "The evictable slots, the next victim first.")
+        .def_readonly_static("DECAY_SLOTS", &kDecaySlots)
         .def_readonly_static("EMPTY", &kSlotEmpty)
         .def_readonly_static("READING", &kSlotReading)
         .def_readonly_static("READY", &kSlotReady);

@@ -1,12 +1,24 @@
 #include "slot_table.h"
 
+#include <algorithm>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
 namespace lqf {
 
-SlotTable::SlotTable(int num_slots) {
+SlotTable::Policy SlotTable::policy_named(const std::string& name) {
+    if (name == "lru") return LRU;
+    if (name == "lfu") return LFU;
+    throw std::invalid_argument("cache policy must be 'lru' or 'lfu', got '" + name + "'");
+}
+
+SlotTable::SlotTable(int num_slots, Policy policy, int64_t decay_every) : policy_(policy) {
     if (num_slots < 0) throw std::invalid_argument("SlotTable: negative number of slots");
+    if (decay_every < 0) throw std::invalid_argument("SlotTable: decay_every must be >= 0");
+    decay_every_ = decay_every ? decay_every : kDecaySlots * std::max(num_slots, 1);
+    rank_.assign(num_slots, 0);
+    order_.assign(num_slots, 0);
     key_.assign(num_slots, -1);
     state_.assign(num_slots, EMPTY);
     pins_.assign(num_slots, 0);
@@ -54,8 +66,74 @@ void SlotTable::lru_push_back(int s) {
     in_lru_[s] = 1;
 }
 
-void SlotTable::maybe_evictable(int s) {
-    if (pins_[s] == 0 && state_[s] == READY && key_[s] >= 0) lru_push_back(s);
+// LRU: to the back of the list. LFU: a fresh heap entry ranked by the key's uses (+ ahead).
+void SlotTable::maybe_evictable(int s, int ahead) {
+    if (pins_[s] != 0 || state_[s] != READY || key_[s] < 0) return;
+    if (policy_ == LRU) {
+        lru_push_back(s);
+        return;
+    }
+    auto it = uses_.find(key_[s]);
+    heap_push(s, (it == uses_.end() ? 0 : it->second) + ahead, ++tick_);
+}
+
+void SlotTable::evictable_remove(int s) {
+    if (policy_ == LRU)
+        lru_remove(s);
+    else
+        in_lru_[s] = 0;                              // (its heap entry goes stale)
+}
+
+void SlotTable::heap_push(int s, int64_t rank, int64_t order) {
+    rank_[s] = rank;
+    order_[s] = order;
+    in_lru_[s] = 1;
+    heap_.push_back({rank, order, s});
+    std::push_heap(heap_.begin(), heap_.end(), std::greater<Entry>());
+    if (heap_.size() > 4 * rank_.size() + 64) heap_rebuild();   // (stale entries: amortised away)
+}
+
+void SlotTable::heap_rebuild() {
+    heap_.clear();
+    for (int s = 0; s < num_slots(); ++s)
+        if (in_lru_[s]) heap_.push_back({rank_[s], order_[s], s});
+    std::make_heap(heap_.begin(), heap_.end(), std::greater<Entry>());
+}
+
+// The next victim, taken out of the eviction order; -1 when nothing is evictable.
+int SlotTable::take_victim() {
+    if (policy_ == LRU) {
+        int s = head_;
+        if (s >= 0) lru_remove(s);
+        return s;
+    }
+    while (!heap_.empty()) {
+        Entry e = heap_.front();
+        std::pop_heap(heap_.begin(), heap_.end(), std::greater<Entry>());
+        heap_.pop_back();
+        if (in_lru_[e.slot] && order_[e.slot] == e.order) {
+            in_lru_[e.slot] = 0;
+            return e.slot;
+        }
+    }
+    return -1;
+}
+
+// A pin is a use of the slot's key (LFU); every decay_every uses, all counts are halved.
+void SlotTable::used(int s) {
+    if (policy_ != LFU || key_[s] < 0) return;
+    ++uses_[key_[s]];
+    if (++pins_since_decay_ < decay_every_) return;
+    pins_since_decay_ = 0;
+    for (auto& kv : uses_) kv.second >>= 1;
+    for (int t = 0; t < num_slots(); ++t)
+        if (in_lru_[t] && rank_[t] > 0) rank_[t] >>= 1;
+    heap_rebuild();
+}
+
+uint32_t SlotTable::uses(int64_t key) const {
+    auto it = uses_.find(key);
+    return it == uses_.end() ? 0 : it->second;
 }
 
 void SlotTable::count(int64_t key, int delta) {
@@ -71,25 +149,30 @@ int SlotTable::held(int64_t group) const {
 void SlotTable::pin(int slot) {
     check(slot);
     ++pins_[slot];
-    lru_remove(slot);
+    evictable_remove(slot);
+    used(slot);
 }
 
 void SlotTable::unpin(int slot) {
     check(slot);
     if (pins_[slot] <= 0) throw std::logic_error("slot " + std::to_string(slot) + " unpinned more often than pinned");
     --pins_[slot];
-    maybe_evictable(slot);
+    maybe_evictable(slot, 0);
 }
 
 void SlotTable::mark_ready(int slot) {
     check(slot);
     state_[slot] = READY;
-    maybe_evictable(slot);
+    maybe_evictable(slot, 1);       // (unpinned: a speculative read, one use ahead)
 }
 
 void SlotTable::make_cold(int slot) {
     check(slot);
     if (!in_lru_[slot]) return;
+    if (policy_ == LFU) {
+        heap_push(slot, -1, -(++tick_));             // before every warm slot, the latest first
+        return;
+    }
     lru_remove(slot);
     prev_[slot] = -1;
     next_[slot] = head_;
@@ -104,9 +187,7 @@ int SlotTable::allocate(int64_t key, int64_t* evicted) {
     if (!free_.empty()) {
         slot = free_.back();
         free_.pop_back();
-    } else if (head_ >= 0) {
-        slot = head_;
-        lru_remove(slot);
+    } else if ((slot = take_victim()) >= 0) {
         *evicted = key_[slot];
         slot_of_.erase(*evicted);
         count(*evicted, -1);
@@ -127,7 +208,7 @@ void SlotTable::drop(int slot) {
     count(key_[slot], -1);
     key_[slot] = -1;
     state_[slot] = EMPTY;
-    lru_remove(slot);
+    evictable_remove(slot);
     if (pins_[slot] == 0) free_.push_back(slot);
 }
 
@@ -139,7 +220,8 @@ bool SlotTable::pin_present(const int64_t* keys, int n, int* slots) {
     }
     for (int i = 0; i < n; ++i) {
         ++pins_[slots[i]];
-        lru_remove(slots[i]);
+        evictable_remove(slots[i]);
+        used(slots[i]);
     }
     return true;
 }
@@ -158,9 +240,17 @@ int SlotTable::num_pinned() const {
     return n;
 }
 
-std::vector<int> SlotTable::lru_order() const {
+std::vector<int> SlotTable::eviction_order() const {
     std::vector<int> out;
-    for (int s = head_; s >= 0; s = next_[s]) out.push_back(s);
+    if (policy_ == LRU) {
+        for (int s = head_; s >= 0; s = next_[s]) out.push_back(s);
+        return out;
+    }
+    std::vector<Entry> live;
+    for (int s = 0; s < num_slots(); ++s)
+        if (in_lru_[s]) live.push_back({rank_[s], order_[s], s});
+    std::sort(live.begin(), live.end(), [](const Entry& a, const Entry& b) { return b > a; });
+    for (const Entry& e : live) out.push_back(e.slot);
     return out;
 }
 

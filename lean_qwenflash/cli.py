@@ -432,9 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("replay", help="replay a routing trace against cache sizes and policies",
                         description="Run a routing trace (recorded with `generate --trace FILE` or `serve --trace "
                                     "FILE`) through simulated host caches: per size and policy the hit rate, bytes "
-                                    "read per decode token and the decode speed the disk allows. lru is the "
-                                    "runtime's own policy: at the run's host_cache_bytes (prefetch off) it gives "
-                                    "exactly the hits the run counted.")
+                                    "read per decode token and the decode speed the disk allows. lfu and lru are the "
+                                    "runtime's own policies (cache_policy; lfu the default): at the run's "
+                                    "host_cache_bytes and cache_policy (prefetch off) the replay gives exactly the "
+                                    "hits the run counted; opt (Belady) is the best any cache could do.")
     rp.add_argument("file", metavar="FILE", help="trace file")
     rp.add_argument("--cache", default="1GiB,2GiB,4GiB,8GiB", help="host cache sizes, comma-separated")
     rp.add_argument("--policy", default="lru,lfu", help="policies, comma-separated: lru, lfu, opt")

@@ -18,6 +18,7 @@ import yaml
 from .common import CPU_BINDS, EXPERT_KERNELS, KERNEL_ISAS, KV_CACHE_DTYPES, ConfigError, check_sampling, format_size, parse_size
 
 IO_ENGINES = ("auto", "uring", "pread")
+CACHE_POLICIES = ("lru", "lfu")
 DTYPES = ("float32", "bfloat16", "float16")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -75,6 +76,9 @@ class RuntimeConfig:
     prefetch: bool = True
     prefetch_lookahead: int = 1         # layers ahead whose experts are predicted and read
     prefetch_extra: int = 0             # predict top-k + this many experts per layer
+    # Which cached expert makes room (experts/cache.py): lfu = the one the model used least lately
+    # (keeps the experts a layer's routing favours), lru = the least recently used.
+    cache_policy: str = "lfu"
     expert_kernels: str = "fast"        # fast: native decode kernels (int8 activations for quantized
                                         # experts); exact: dequantize, then torch (bit-identity tests)
     cpu_isa: str = "auto"               # force a native kernel path: auto, scalar, avx2, avx512
@@ -114,6 +118,9 @@ class RuntimeConfig:
             raise ConfigError(f"prefetch_lookahead: must be in 1..8, got {self.prefetch_lookahead}")
         if self.prefetch_extra < 0:
             raise ConfigError(f"prefetch_extra: must be >= 0, got {self.prefetch_extra}")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ConfigError(f"cache_policy: must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r} "
+                              "(lfu keeps the experts the routing uses most; lru the most recent)")
         if self.host_cache_bytes <= 0:
             raise ConfigError("host_cache_bytes: must be positive (it holds the experts being computed)")
         if self.device == "cpu" and self.device_cache_bytes:

@@ -257,7 +257,9 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print, cfg=N
         out("(pass --model PACK for cache-size suggestions for a model)")
     if trace is not None:               # --trace: a host cache sized from the user's own routing
         measured = [g for g in (gbps_u, gbps_p) if g is not None]
-        trace_advice(trace, max(measured) if measured else None, avail, out)
+        from .config import load_config
+        policy = (cfg if cfg is not None else load_config(None)).cache_policy
+        trace_advice(trace, max(measured) if measured else None, avail, out, policy=policy)
     out("status:        " + ("OK" if problems == 0 else f"{problems} problem(s) above"))
     return 0 if problems == 0 else 1
 
@@ -272,9 +274,10 @@ def measure_disk_gbps(pack, seconds: float = 2.0, dest=None) -> Optional[float]:
     return _probe_engine(Path(pack) / "experts.bin", "auto", block, seconds, dest=dest)[0]
 
 
-def trace_advice(path, disk_gbps: Optional[float], ram_available: int, out=print) -> None:
-    """`doctor --trace FILE`: replay the trace through the runtime's LRU host cache at the sizes
-    that reach a few hit rates, and suggest the ``host_cache_bytes`` the RAM allows."""
+def trace_advice(path, disk_gbps: Optional[float], ram_available: int, out=print, policy: str = "lfu") -> None:
+    """`doctor --trace FILE`: replay the trace through the runtime's host cache (``policy``: the
+    config's ``cache_policy``) at the sizes that reach a few hit rates, and suggest the
+    ``host_cache_bytes`` the RAM allows."""
     from .experts.trace import read_trace, simulate, suggest_cache
     t = read_trace(path)
     slot = t.header["slot_bytes"]
@@ -282,7 +285,7 @@ def trace_advice(path, disk_gbps: Optional[float], ram_available: int, out=print
     room = max(0, ram_available - 2 * 1024**3)
     n_dec = len(t.decode_steps())
     out(f"trace:         {path}: {len(t.records)} acquires, {n_dec} decode tokens, {distinct} distinct experts "
-        f"({format_size(distinct * slot)} to hold them all)")
+        f"({format_size(distinct * slot)} to hold them all); replayed under cache_policy: {policy}")
     if not t.records:
         out("               (empty: nothing to size from)")
         return
@@ -294,7 +297,7 @@ def trace_advice(path, disk_gbps: Optional[float], ram_available: int, out=print
         return ", I/O allows unbounded tok/s" if per == 0 else f", I/O allows {disk_gbps * 1e9 / per:.1f} tok/s"
 
     for target in (0.5, 0.8, 0.9, 0.95, 0.99):
-        size, r = suggest_cache(t, target)
+        size, r = suggest_cache(t, target, policy=policy)
         out(f"               {100 * target:.0f}% hits: host_cache_bytes {format_size(size)} "
             f"(replayed {100 * r.hit_rate:.1f}%, {format_size(int(r.decode_bytes_per_token))} per token{speed(r)})")
     whole = distinct * slot
@@ -304,6 +307,6 @@ def trace_advice(path, disk_gbps: Optional[float], ram_available: int, out=print
     else:
         size = max(t.header["top_k"], room // slot) * slot
         why = f"the most the available RAM allows ({format_size(room)} after a 2 GiB margin)"
-    r = simulate(t, size // slot, "lru")
+    r = simulate(t, size // slot, policy)
     out(f"  host_cache_bytes: {format_size(size)}       # from the trace: {why}; replayed hit rate "
         f"{100 * r.hit_rate:.1f}%{speed(r)}")

@@ -97,7 +97,8 @@ class Runtime:
             provider = TieredExperts(
                 store, host_cache_bytes=cfg.host_cache_bytes, top_k=top_k,
                 device=device, device_cache_bytes=cfg.device_cache_bytes, prefetch=cfg.prefetch,
-                prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra)
+                prefetch_lookahead=cfg.prefetch_lookahead, prefetch_extra=cfg.prefetch_extra,
+                cache_policy=cfg.cache_policy)
         policy = ExecPolicy.from_config(cfg)
         model = build_model(config, resident, provider, dtype=dtype, device=device, policy=policy)
         for spin in (torch_threads_spin(), torch_spin_unbound(policy)) if device.type == "cpu" else ():

@@ -125,8 +125,10 @@ def _cache_smaller_than_a_token(c, pack_dir) -> int:
 
 def test_streamed_batched_reads_each_shared_expert_once(streamed_pack):
     c, pack_dir = streamed_pack
+    # (lru: the cyclic pattern of sequences stepped alone is what evicts each layer's experts
+    # before the next sequence needs them; lfu would keep the most used ones instead)
     cfg = dict(model=str(pack_dir), host_cache_bytes=_cache_smaller_than_a_token(c, pack_dir), prefetch=False,
-               expert_kernels="exact")
+               expert_kernels="exact", cache_policy="lru")
     prompts = _prompts(c)
     read = {}
     tokens = {}

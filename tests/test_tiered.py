@@ -425,20 +425,37 @@ def test_prefetch_skips_a_layer_the_host_tier_holds_whole(packs):
 
 
 class _ReferenceSlots:
-    """The slot cache's rule written out plainly (lists, one LRU list): what the native table must do."""
+    """The slot cache's rules written out plainly (lists and dicts): what the native table must do.
+    lru: a list of the evictable slots, least recently released first. lfu: each evictable slot
+    ranked (uses of its key, +1 when a speculative read made it evictable; halved every ``decay``
+    pins) then by when it became evictable; a cold slot ranks -1, the latest first."""
 
-    def __init__(self, n):
+    def __init__(self, n, policy="lru", decay=0):
         self.key = [None] * n
         self.state = [0] * n
         self.pins = [0] * n
-        self.lru = []                       # evictable slots, least recent first
+        self.policy, self.decay, self.since, self.tick = policy, decay, 0, 0
+        self.lru = []                       # lru: evictable slots, least recent first
+        self.rank = {}                      # lfu: evictable slot -> (rank, order)
+        self.uses = {}
         self.free = list(range(n - 1, -1, -1))
 
-    def _evictable(self, s):
+    def order(self):
+        return list(self.lru) if self.policy == "lru" else sorted(self.rank, key=self.rank.get)
+
+    def _remove(self, s):
+        if s in self.lru:
+            self.lru.remove(s)
+        self.rank.pop(s, None)
+
+    def _evictable(self, s, ahead):
         if self.pins[s] == 0 and self.state[s] == 2 and self.key[s] is not None:
-            if s in self.lru:
-                self.lru.remove(s)
-            self.lru.append(s)
+            self._remove(s)
+            if self.policy == "lru":
+                self.lru.append(s)
+            else:
+                self.tick += 1
+                self.rank[s] = (self.uses.get(self.key[s], 0) + ahead, self.tick)
 
     def lookup(self, key):
         return self.key.index(key) if key in self.key else None
@@ -447,8 +464,9 @@ class _ReferenceSlots:
         old = None
         if self.free:
             s = self.free.pop()
-        elif self.lru:
-            s = self.lru.pop(0)
+        elif self.order():
+            s = self.order()[0]
+            self._remove(s)
             old = self.key[s]
         else:
             return None, None
@@ -457,41 +475,51 @@ class _ReferenceSlots:
 
     def pin(self, s):
         self.pins[s] += 1
-        if s in self.lru:
-            self.lru.remove(s)
+        self._remove(s)
+        if self.policy == "lfu":
+            self.uses[self.key[s]] = self.uses.get(self.key[s], 0) + 1
+            self.since += 1
+            if self.since == self.decay:
+                self.since = 0
+                self.uses = {k: u >> 1 for k, u in self.uses.items()}
+                self.rank = {t: ((r >> 1 if r > 0 else r), o) for t, (r, o) in self.rank.items()}
 
     def unpin(self, s):
         self.pins[s] -= 1
-        self._evictable(s)
+        self._evictable(s, 0)
 
     def mark_ready(self, s):
         self.state[s] = 2
-        self._evictable(s)
+        self._evictable(s, 1)
 
     def make_cold(self, s):
         if s in self.lru:
             self.lru.remove(s)
             self.lru.insert(0, s)
+        elif s in self.rank:
+            self.tick += 1
+            self.rank[s] = (-1, -self.tick)
 
     def drop(self, s):
         if self.key[s] is None:             # (nothing held: a second drop changes nothing)
             return
         self.key[s], self.state[s] = None, 0
-        if s in self.lru:
-            self.lru.remove(s)
+        self._remove(s)
         if self.pins[s] == 0:
             self.free.append(s)
 
 
-def test_slot_cache_keeps_the_lru_rule_through_random_operations():
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_slot_cache_keeps_its_rule_through_random_operations(policy):
     """The native slot table (csrc/slot_table.cpp) against the rule written out in Python: the same
-    victims, the same LRU order, pins, states and per-layer counts after every operation, and
-    pin_present all-or-nothing."""
+    victims, the same eviction order, pins, states, use counts and per-layer counts after every
+    operation, and pin_present all-or-nothing (lfu: with counts halving every few pins)."""
     from lean_qwenflash.experts.cache import SlotCache
     rng = random.Random(7)
     for trial in range(150):
         n = rng.randint(1, 7)
-        ref, got = _ReferenceSlots(n), SlotCache(n)
+        decay = rng.randint(1, 9) if policy == "lfu" else 0
+        ref, got = _ReferenceSlots(n, policy, decay), SlotCache(n, policy, decay)
         for step in range(150):
             op = rng.choice(["alloc", "alloc", "pin", "unpin", "ready", "cold", "drop", "present", "release"])
             key, s = (rng.randint(0, 2), rng.randint(0, 5)), rng.randrange(n)
@@ -523,14 +551,17 @@ def test_slot_cache_keeps_the_lru_rule_through_random_operations():
                 for slot in pinned:
                     ref.unpin(slot)
                 got.unpin_all(pinned)
-            assert got.lru_order() == ref.lru, where
+            assert got.eviction_order() == ref.order(), where
             assert [got.pins(i) for i in range(n)] == ref.pins, where
             assert [got.state(i) for i in range(n)] == ref.state, where
             assert [got.key_of(i) for i in range(n)] == ref.key, where
             assert got.slot_of == {k: i for i, k in enumerate(ref.key) if k is not None}, where
             assert got.held == Counter(k[0] for k in ref.key if k is not None), where
             assert got.num_pinned() == sum(1 for p in ref.pins if p), where
+            assert all(got.uses(*k) == ref.uses.get(k, 0) for k in ref.uses), where
     with pytest.raises(RuntimeError, match="unpinned more often"):
         SlotCache(2).unpin(0)
     with pytest.raises(ValueError, match="non-negative"):
         SlotCache(2).allocate((-1, 3))
+    with pytest.raises(ValueError, match="cache policy must be one of lru, lfu"):
+        SlotCache(2, "mru")

@@ -129,8 +129,8 @@ def test_dashboard_renders_with_data_in_chromium(server):
 
 
 def test_serve_trace_replays_to_the_servers_counts(server):
-    """`serve --trace`: after shutdown the trace replays (LRU, the server's host slots) to exactly
-    the server's own expert counters."""
+    """`serve --trace`: after shutdown the trace replays (the server's cache policy and host slots)
+    to exactly the server's own expert counters."""
     url, proc, trace, _ = server
     s = json.loads(_get(url + "/v1/stats")[2])
     proc.send_signal(signal.SIGINT)
@@ -138,6 +138,7 @@ def test_serve_trace_replays_to_the_servers_counts(server):
     assert "records appended to" in err, err[-2000:]
     from lean_qwenflash.experts.trace import read_trace, simulate
     t = read_trace(trace)
-    r = simulate(t, s["caches"]["host"]["slots"], "lru")
+    assert s["caches"]["host"]["policy"] == "lfu"          # (the default)
+    r = simulate(t, s["caches"]["host"]["slots"], s["caches"]["host"]["policy"])
     tot = s["experts"]["total"]
     assert (r.lookups, r.hits, r.misses) == (tot["lookups"], tot["hits_host"] + tot["hits_device"], tot["misses"])

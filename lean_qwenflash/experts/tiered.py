@@ -39,7 +39,8 @@ class TieredExperts(ExpertProvider):
 
     def __init__(self, store, host_cache_bytes: int, top_k: int, predictors: Optional[dict] = None,
                  device: str | torch.device = "cpu", device_cache_bytes: int = 0, prefetch: bool = True,
-                 prefetch_lookahead: int = 1, prefetch_extra: int = 0, max_speculative: Optional[int] = None):
+                 prefetch_lookahead: int = 1, prefetch_extra: int = 0, max_speculative: Optional[int] = None,
+                 cache_policy: str = "lfu"):
         self.store = store
         self.top_k = top_k
         self.slot_bytes = store.max_record_bytes
@@ -56,7 +57,8 @@ class TieredExperts(ExpertProvider):
         # Never more slots than the pack has records: a small model does not get a 1 GiB arena.
         num_host = min(num_host, max(top_k, store.manifest.num_records))
         self.device = torch.device(device)
-        self.host = SlotCache(num_host)             # keys (layer, expert id)
+        self.cache_policy = cache_policy
+        self.host = SlotCache(num_host, cache_policy)   # keys (layer, expert id)
         self._num_experts = {l: store.layer(l).num_experts for l in self.layers}
         self.arena = AlignedBuffer(num_host * self.slot_bytes)
         self.host_bytes = torch.frombuffer(self.arena, dtype=torch.uint8).view(num_host, self.slot_bytes)
@@ -78,7 +80,7 @@ class TieredExperts(ExpertProvider):
                 raise ConfigError(f"device_cache_bytes: {format_size(device_cache_bytes)} holds {num_dev} expert "
                                   f"records; the minimum is one layer's top-k ({top_k}) = {need} bytes "
                                   f"({format_size(need)})")
-            self.dev = SlotCache(num_dev)
+            self.dev = SlotCache(num_dev, cache_policy)
             self.dev_bytes = torch.empty((num_dev, self.slot_bytes), dtype=torch.uint8, device=self.device)
             self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
             self._dev_events: dict[int, object] = {}     # device slot -> event of its fill copy
@@ -489,7 +491,7 @@ class TieredExperts(ExpertProvider):
 
     def describe(self) -> str:
         parts = [f"host tier {self.host.num_slots} slots x {format_size(self.slot_bytes)} = "
-                 f"{format_size(self.host.num_slots * self.slot_bytes)}"]
+                 f"{format_size(self.host.num_slots * self.slot_bytes)} ({self.cache_policy})"]
         if self.dev:
             parts.append(f"device tier ({self.device}) {self.dev.num_slots} slots = "
                          f"{format_size(self.dev.num_slots * self.slot_bytes)}")

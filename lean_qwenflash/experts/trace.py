@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ..common import format_size
+from .cache import DECAY_SLOTS
 
 MAGIC = b"LQFTRACE"
 VERSION = 1
@@ -231,8 +232,10 @@ class SimResult:
 
 def simulate(trace: Trace, slots: int, policy: str = "lru") -> SimResult:
     """Replay the trace's acquires through a host cache of ``slots`` records under ``policy``:
-    ``lru`` (the runtime's SlotCache), ``lfu`` (fewest lookups so far, then least recent) or
-    ``opt`` (Belady: the record used furthest in the future; no real cache does better)."""
+    ``lru`` or ``lfu`` (the runtime's SlotCache rules, ``cache_policy``: least recently released,
+    or fewest lookups, counts halved every ``DECAY_SLOTS`` x ``slots`` lookups, then least recently
+    released) or ``opt`` (Belady: the record used furthest in the future; no real cache does
+    better). Prefetch is not modelled."""
     if policy not in POLICIES:
         raise TraceError(f"--policy: {policy!r} is not one of {', '.join(POLICIES)}")
     k = trace.header["top_k"]
@@ -247,6 +250,7 @@ def simulate(trace: Trace, slots: int, policy: str = "lru") -> SimResult:
     heap: list = []                            # lfu / opt: (priority..., key), checked lazily
     prio: dict = {}                            # key -> its current priority while evictable
     count: dict = {}
+    decay = DECAY_SLOTS * slots                # lfu: counts halve every this many lookups
     tick = 0
     nxt: list = []
     if policy == "opt":
@@ -265,7 +269,6 @@ def simulate(trace: Trace, slots: int, policy: str = "lru") -> SimResult:
             key = (layer, e)
             res.lookups += 1
             lay[0] += 1
-            count[key] = count.get(key, 0) + 1
             if key in cached:
                 res.hits += 1
                 lay[1] += 1
@@ -283,6 +286,14 @@ def simulate(trace: Trace, slots: int, policy: str = "lru") -> SimResult:
                                          f"{len(ids)} experts (layer {layer})")
                     cached.discard(victim)
                 cached.add(key)
+            # a use, counted once the key has its slot (as the runtime's pin counts it)
+            count[key] = count.get(key, 0) + 1
+            if policy == "lfu" and res.lookups % decay == 0:
+                for k in count:
+                    count[k] >>= 1
+                prio = {k: ((c >> 1 if c > 0 else c), t) for k, (c, t) in prio.items()}
+                heap = [(pr, k) for k, pr in prio.items()]
+                heapq.heapify(heap)
             pinned.append((key, pos))
             pos += 1
         for key, p in pinned:                  # release, in acquire order
@@ -332,9 +343,11 @@ def replay_table(trace: Trace, sizes: Iterable[int], policies: Iterable[str], di
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def suggest_cache(trace: Trace, target_hit_rate: float = 0.9, limit_bytes: Optional[int] = None) -> tuple:
-    """The smallest host cache (in slots, by bisection over LRU) whose replayed hit rate reaches
-    ``target_hit_rate``, capped at ``limit_bytes``; returns (bytes, SimResult)."""
+def suggest_cache(trace: Trace, target_hit_rate: float = 0.9, limit_bytes: Optional[int] = None,
+                  policy: str = "lru") -> tuple:
+    """The smallest host cache (in slots, by bisection over sizes replayed under ``policy``) whose
+    replayed hit rate reaches ``target_hit_rate``, capped at ``limit_bytes``; returns (bytes,
+    SimResult)."""
     slot = trace.header["slot_bytes"]
     k = trace.header["top_k"]
     distinct = len({(l, e) for l, ids in trace.records for e in ids})
@@ -342,12 +355,12 @@ def suggest_cache(trace: Trace, target_hit_rate: float = 0.9, limit_bytes: Optio
     if limit_bytes is not None:
         hi = max(k, min(hi, limit_bytes // slot))
     lo = k
-    best = simulate(trace, hi, "lru")
+    best = simulate(trace, hi, policy)
     if best.hit_rate < target_hit_rate:
         return hi * slot, best
     while lo < hi:
         mid = (lo + hi) // 2
-        r = simulate(trace, mid, "lru")
+        r = simulate(trace, mid, policy)
         if r.hit_rate >= target_hit_rate:
             hi, best = mid, r
         else:

@@ -175,7 +175,7 @@ class Metrics:
             for name, cache in (("host", getattr(p, "host", None)), ("device", getattr(p, "dev", None))):
                 if cache is None:
                     continue
-                tiers[name] = {"slots": cache.num_slots, "used": cache.num_keys(),
+                tiers[name] = {"slots": cache.num_slots, "used": cache.num_keys(), "policy": cache.policy,
                                "pinned": cache.num_pinned(), "slot_bytes": p.slot_bytes,
                                "bytes": cache.num_slots * p.slot_bytes}
             out["caches"] = tiers
