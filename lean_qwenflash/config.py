@@ -75,7 +75,10 @@ class RuntimeConfig:
     verify_checksums: bool = True
     prefetch: bool = True
     prefetch_lookahead: int = 1         # layers ahead whose experts are predicted and read
-    prefetch_extra: int = 0             # predict top-k + this many experts per layer
+    # Experts guessed per layer: top-k + this many (at least one); auto (null): the surest three
+    # quarters of top-k, rounded up (6 of 8, 2 of 2): when the disk is the bottleneck, a wrong guess
+    # costs a whole read, and the least sure guesses are wrong most often (docs/DESIGN.md).
+    prefetch_extra: Optional[int] = None
     # Which cached expert makes room (experts/cache.py): lfu = the one the model used least lately
     # (keeps the experts a layer's routing favours), lru = the least recently used.
     cache_policy: str = "lfu"
@@ -116,8 +119,9 @@ class RuntimeConfig:
             raise ConfigError(f"io_queue_depth: must be in 1..4096, got {self.io_queue_depth}")
         if self.prefetch_lookahead < 1 or self.prefetch_lookahead > 8:
             raise ConfigError(f"prefetch_lookahead: must be in 1..8, got {self.prefetch_lookahead}")
-        if self.prefetch_extra < 0:
-            raise ConfigError(f"prefetch_extra: must be >= 0, got {self.prefetch_extra}")
+        if self.prefetch_extra is not None and not -1024 <= self.prefetch_extra <= 1024:
+            raise ConfigError(f"prefetch_extra: must be in -1024..1024 (experts guessed per layer beyond top-k; "
+                              f"at least one is guessed), got {self.prefetch_extra}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ConfigError(f"cache_policy: must be one of {', '.join(CACHE_POLICIES)}, got {self.cache_policy!r} "
                               "(lfu keeps the experts the routing uses most; lru the most recent)")
@@ -169,6 +173,7 @@ class RuntimeConfig:
         return d
 
 
+_AUTO_KEYS = {"prefetch_extra"}          # "auto" in a file means null (the automatic choice)
 _SIZE_KEYS = {"host_cache_bytes", "device_cache_bytes", "max_request_bytes", "prefix_cache_bytes", "snapshot_bytes"}
 
 
@@ -190,6 +195,8 @@ def _fill(cls, data: dict, prefix: str):
         if name in _SIZE_KEYS:
             kwargs[name] = parse_size(value, key)
             continue
+        if name in _AUTO_KEYS and value == "auto":
+            value = None
         want = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
         if value is None:
             if "Optional" not in want:
@@ -199,7 +206,7 @@ def _fill(cls, data: dict, prefix: str):
                 raise ConfigError(f"{key}: expected true or false, got {value!r}")
         elif "int" in want:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise ConfigError(f"{key}: expected an integer, got {value!r}")
+                raise ConfigError(f"{key}: expected an integer{' or auto' if name in _AUTO_KEYS else ''}, got {value!r}")
         elif "float" in want:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{key}: expected a number, got {value!r}")

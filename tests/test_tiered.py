@@ -363,6 +363,36 @@ def test_prefetch_without_a_routing_rule_is_an_error_not_silently_off(packs):
         store.close()
 
 
+def test_prefetch_guesses_three_quarters_of_top_k_unless_told(packs, tmp_path):
+    """How many experts a layer's guess asks the routing rule for: by default the surest ceil(3k/4)
+    of top-k; with prefetch_extra, top-k + it, at least one. A config says auto (or nothing) for
+    the default; anything but an integer or auto is refused by name."""
+    from lean_qwenflash.config import load_config
+    store = ExpertStore.open(packs["qwen3_moe"])
+    asked = []
+    guess = {l: (lambda h, n: (asked.append(n), torch.arange(n)[None])[1]) for l in store.moe_layers[1:]}
+    try:
+        for top_k, extra, want in [(8, None, 6), (2, None, 2), (4, None, 3), (10, None, 8), (1, None, 1),
+                                   (8, -3, 5), (8, -20, 1), (8, 2, 10)]:
+            tiers = TieredExperts(store, host_cache_bytes=16 * store.max_record_bytes, top_k=top_k,
+                                  predictors=guess, prefetch=True, prefetch_extra=extra)
+            assert tiers.prefetch_guesses == want, (top_k, extra)
+            tiers._predict(store.moe_layers[1], torch.zeros(1, int(store.config["hidden_size"])))
+            assert asked[-1] == want
+            assert f"{want} guesses per layer" in tiers.describe()
+            tiers.close()
+    finally:
+        store.close()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prefetch_extra: auto\n")
+    assert load_config(str(cfg)).prefetch_extra is None and load_config(None).prefetch_extra is None
+    cfg.write_text("prefetch_extra: -2\n")
+    assert load_config(str(cfg)).prefetch_extra == -2
+    cfg.write_text("prefetch_extra: some\n")
+    with pytest.raises(ConfigError, match="prefetch_extra: expected an integer or auto"):
+        load_config(str(cfg))
+
+
 def test_reset_stats_forgets_earlier_prefetches(packs):
     """Reads prefetched before a reset count neither as useful nor wasted after it (else precision
     could exceed 1: bench/stream.py resets after warm-up)."""

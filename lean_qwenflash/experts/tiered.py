@@ -39,7 +39,7 @@ class TieredExperts(ExpertProvider):
 
     def __init__(self, store, host_cache_bytes: int, top_k: int, predictors: Optional[dict] = None,
                  device: str | torch.device = "cpu", device_cache_bytes: int = 0, prefetch: bool = True,
-                 prefetch_lookahead: int = 1, prefetch_extra: int = 0, max_speculative: Optional[int] = None,
+                 prefetch_lookahead: int = 1, prefetch_extra: Optional[int] = None, max_speculative: Optional[int] = None,
                  cache_policy: str = "lfu"):
         self.store = store
         self.top_k = top_k
@@ -95,6 +95,10 @@ class TieredExperts(ExpertProvider):
             self.set_predictors(predictors)
         self.prefetch_lookahead = prefetch_lookahead
         self.prefetch_extra = prefetch_extra
+        # Experts guessed per layer: top-k + prefetch_extra (at least one), or by default the surest
+        # three quarters of top-k, rounded up (when the disk is the bottleneck a wrong guess costs a
+        # whole read, and the last-ranked guesses are the ones most often wrong).
+        self.prefetch_guesses = (-(-3 * top_k // 4) if prefetch_extra is None else max(1, top_k + prefetch_extra))
         self._hidden: dict[int, torch.Tensor] = {}
         self._pinned: dict[int, list] = {}
         # Each slot's views per tier, made on first use: a list per record layout (indexed by slot),
@@ -421,7 +425,7 @@ class TieredExperts(ExpertProvider):
         self.predictors = dict(predictors)
 
     def _predict(self, layer_idx: int, hidden: torch.Tensor) -> list[int]:
-        top = self.predictors[layer_idx](hidden, self.top_k + self.prefetch_extra)
+        top = self.predictors[layer_idx](hidden, self.prefetch_guesses)
         if top.shape[0] == 1:
             return top[0].tolist()
         # Many tokens (prefill): the experts picked by the most tokens first.
@@ -497,5 +501,5 @@ class TieredExperts(ExpertProvider):
                          f"{format_size(self.dev.num_slots * self.slot_bytes)}")
         eng = self.store.engine
         parts.append(f"I/O {eng.kind} depth {eng.queue_depth}" + ("" if eng.direct else " (buffered)"))
-        parts.append(f"prefetch {'on, lookahead ' + str(self.prefetch_lookahead) if self.prefetch else 'off'}")
+        parts.append(f"prefetch {f'on, lookahead {self.prefetch_lookahead}, {self.prefetch_guesses} guesses per layer' if self.prefetch else 'off'}")
         return "; ".join(parts)
