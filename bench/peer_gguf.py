@@ -250,6 +250,7 @@ def worker_ours(spec: dict) -> dict:
             rt.provider.reset_stats()
         probes = {"small": [], "arena": []}
         if spec["setting"] == "capped":
+            rt.provider.drain()             # (the prefill's guesses land first, as before the probes)
             probes["small"].append(_disk_probe(spec["path"]))
         before, t0 = read_bytes(), time.perf_counter()
         for tok in stream:
@@ -275,7 +276,7 @@ def _disk_probe(pack: str, dest=None):
     from lean_qwenflash.doctor import measure_disk_gbps
     try:
         return measure_disk_gbps(pack, 1.0) if dest is None else measure_disk_gbps(pack, 1.0, dest=dest)
-    except TypeError:
+    except Exception:           # (never lose the run's own figures to the probe)
         return None
 
 

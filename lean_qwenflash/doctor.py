@@ -177,12 +177,14 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print, cfg=N
             # The same reads landing anywhere in a buffer the size of a host cache, as the cache's
             # do: the speed streaming can reach (some VMs read far slower into spread-out memory).
             size = cfg.host_cache_bytes if cfg is not None else ARENA_PROBE_BYTES
-            size = max(8 * block, min(size, ARENA_PROBE_BYTES, _meminfo().get("MemAvailable", 0) // 4))
+            room = min(_meminfo().get("MemAvailable", 0), _cgroup_limit() or 1 << 62)
+            size = max(8 * block, min(size, ARENA_PROBE_BYTES, room // 4))
             gbps_a, _ = _probe_engine(target, "auto", block, probe_seconds / 2, dest=io_engine.AlignedBuffer(size))
             if gbps_a is not None:
                 out(f"               {gbps_a:.2f} GB/s landing across a {format_size(size)} buffer, as the host "
                     "cache's reads do (the speed streaming can reach)")
-                small = max(g for g in (gbps_u, gbps_p) if g is not None)
+                # (against the small-buffer figure of the engine auto uses, which this probe uses)
+                small = gbps_u if auto.startswith("uring") and gbps_u is not None else (gbps_p or gbps_u)
                 if gbps_a < 0.85 * small:
                     out(f"               {gbps_a / small:.2f}x the small-buffer speed: this machine reads slower into "
                         "spread-out memory (common in VMs); expect streamed decode to follow the lower figure")

@@ -2,11 +2,11 @@
 
 ``generate --trace FILE`` / ``serve --trace FILE`` set a ``TraceWriter`` as the provider's
 ``observer``: every ``acquire(layer, ids)`` of ``TieredExperts`` is one record. ``replay FILE``
-runs the records through a simulated host cache of each size and policy; for ``lru`` it is the
-runtime's own rule (``experts/cache.py`` ``SlotCache``: a lookup pins, a miss takes a free slot or
-evicts the least recently released one, release makes the ids most recent in acquire order), so
-with prefetch off the replay at the run's ``host_cache_bytes`` gives exactly the hits and misses
-the run counted. (With prefetch on the run also read speculatively, which a trace of demand
+runs the records through a simulated host cache of each size and policy; ``lfu`` and ``lru`` are
+the runtime's own rules (``experts/cache.py`` ``SlotCache``: a lookup pins and counts a use, a miss
+takes a free slot or evicts the fewest-used / least recently released one, release makes the ids
+most recent in acquire order), so with prefetch off the replay at the run's ``host_cache_bytes``
+and ``cache_policy`` gives exactly the hits and misses the run counted. (With prefetch on the run also read speculatively, which a trace of demand
 lookups does not hold: the replay is then the cache without prefetch.)
 
 File: ``LQFTRACE`` + u32 header length + a JSON header (``layers``, ``top_k``, ``num_experts``,
@@ -230,7 +230,7 @@ class SimResult:
         return self.decode_bytes / self.decode_tokens if self.decode_tokens else 0.0
 
 
-def simulate(trace: Trace, slots: int, policy: str = "lru") -> SimResult:
+def simulate(trace: Trace, slots: int, policy: str = "lfu") -> SimResult:
     """Replay the trace's acquires through a host cache of ``slots`` records under ``policy``:
     ``lru`` or ``lfu`` (the runtime's SlotCache rules, ``cache_policy``: least recently released,
     or fewest lookups, counts halved every ``DECAY_SLOTS`` x ``slots`` lookups, then least recently
@@ -289,8 +289,8 @@ def simulate(trace: Trace, slots: int, policy: str = "lru") -> SimResult:
             # a use, counted once the key has its slot (as the runtime's pin counts it)
             count[key] = count.get(key, 0) + 1
             if policy == "lfu" and res.lookups % decay == 0:
-                for k in count:
-                    count[k] >>= 1
+                for used in count:
+                    count[used] >>= 1
                 prio = {k: ((c >> 1 if c > 0 else c), t) for k, (c, t) in prio.items()}
                 heap = [(pr, k) for k, pr in prio.items()]
                 heapq.heapify(heap)
@@ -344,7 +344,7 @@ def replay_table(trace: Trace, sizes: Iterable[int], policies: Iterable[str], di
 
 
 def suggest_cache(trace: Trace, target_hit_rate: float = 0.9, limit_bytes: Optional[int] = None,
-                  policy: str = "lru") -> tuple:
+                  policy: str = "lfu") -> tuple:
     """The smallest host cache (in slots, by bisection over sizes replayed under ``policy``) whose
     replayed hit rate reaches ``target_hit_rate``, capped at ``limit_bytes``; returns (bytes,
     SimResult)."""
