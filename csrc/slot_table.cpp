@@ -10,7 +10,7 @@ namespace lqf {
 SlotTable::Policy SlotTable::policy_named(const std::string& name) {
     if (name == "lru") return LRU;
     if (name == "lfu") return LFU;
-    throw std::invalid_argument("cache policy must be 'lru' or 'lfu', got '" + name + "'");
+    throw std::invalid_argument("cache policy must be one of lru, lfu, got '" + name + "'");
 }
 
 SlotTable::SlotTable(int num_slots, Policy policy, int64_t decay_every) : policy_(policy) {
@@ -24,7 +24,7 @@ SlotTable::SlotTable(int num_slots, Policy policy, int64_t decay_every) : policy
     pins_.assign(num_slots, 0);
     prev_.assign(num_slots, -1);
     next_.assign(num_slots, -1);
-    in_lru_.assign(num_slots, 0);
+    evictable_.assign(num_slots, 0);
     free_.reserve(num_slots);
     for (int s = num_slots - 1; s >= 0; --s) free_.push_back(s);
     slot_of_.reserve(static_cast<size_t>(num_slots) * 2);
@@ -49,12 +49,12 @@ int SlotTable::lookup(int64_t key) const {
 }
 
 void SlotTable::lru_remove(int s) {
-    if (!in_lru_[s]) return;
+    if (!evictable_[s]) return;
     int p = prev_[s], n = next_[s];
     (p >= 0 ? next_[p] : head_) = n;
     (n >= 0 ? prev_[n] : tail_) = p;
     prev_[s] = next_[s] = -1;
-    in_lru_[s] = 0;
+    evictable_[s] = 0;
 }
 
 void SlotTable::lru_push_back(int s) {
@@ -63,7 +63,7 @@ void SlotTable::lru_push_back(int s) {
     next_[s] = -1;
     (tail_ >= 0 ? next_[tail_] : head_) = s;
     tail_ = s;
-    in_lru_[s] = 1;
+    evictable_[s] = 1;
 }
 
 // LRU: to the back of the list. LFU: a fresh heap entry ranked by the key's uses (+ ahead).
@@ -81,13 +81,13 @@ void SlotTable::evictable_remove(int s) {
     if (policy_ == LRU)
         lru_remove(s);
     else
-        in_lru_[s] = 0;                              // (its heap entry goes stale)
+        evictable_[s] = 0;                              // (its heap entry goes stale)
 }
 
 void SlotTable::heap_push(int s, int64_t rank, int64_t order) {
     rank_[s] = rank;
     order_[s] = order;
-    in_lru_[s] = 1;
+    evictable_[s] = 1;
     heap_.push_back({rank, order, s});
     std::push_heap(heap_.begin(), heap_.end(), std::greater<Entry>());
     if (heap_.size() > 4 * rank_.size() + 64) heap_rebuild();   // (stale entries: amortised away)
@@ -96,7 +96,7 @@ void SlotTable::heap_push(int s, int64_t rank, int64_t order) {
 void SlotTable::heap_rebuild() {
     heap_.clear();
     for (int s = 0; s < num_slots(); ++s)
-        if (in_lru_[s]) heap_.push_back({rank_[s], order_[s], s});
+        if (evictable_[s]) heap_.push_back({rank_[s], order_[s], s});
     std::make_heap(heap_.begin(), heap_.end(), std::greater<Entry>());
 }
 
@@ -111,8 +111,8 @@ int SlotTable::take_victim() {
         Entry e = heap_.front();
         std::pop_heap(heap_.begin(), heap_.end(), std::greater<Entry>());
         heap_.pop_back();
-        if (in_lru_[e.slot] && order_[e.slot] == e.order) {
-            in_lru_[e.slot] = 0;
+        if (evictable_[e.slot] && order_[e.slot] == e.order) {
+            evictable_[e.slot] = 0;
             return e.slot;
         }
     }
@@ -127,7 +127,7 @@ void SlotTable::used(int s) {
     pins_since_decay_ = 0;
     for (auto& kv : uses_) kv.second >>= 1;
     for (int t = 0; t < num_slots(); ++t)
-        if (in_lru_[t] && rank_[t] > 0) rank_[t] >>= 1;
+        if (evictable_[t] && rank_[t] > 0) rank_[t] >>= 1;
     heap_rebuild();
 }
 
@@ -146,12 +146,14 @@ int SlotTable::held(int64_t group) const {
     return group >= 0 && group < static_cast<int64_t>(held_.size()) ? held_[group] : 0;
 }
 
-void SlotTable::pin(int slot) {
-    check(slot);
-    ++pins_[slot];
-    evictable_remove(slot);
-    used(slot);
+// A pin: out of the eviction order, and (lfu) one use of its key.
+void SlotTable::pin_one(int s) {
+    ++pins_[s];
+    evictable_remove(s);
+    used(s);
 }
+
+void SlotTable::pin(int slot) { pin_one(check(slot)); }
 
 void SlotTable::unpin(int slot) {
     check(slot);
@@ -168,7 +170,7 @@ void SlotTable::mark_ready(int slot) {
 
 void SlotTable::make_cold(int slot) {
     check(slot);
-    if (!in_lru_[slot]) return;
+    if (!evictable_[slot]) return;
     if (policy_ == LFU) {
         heap_push(slot, -1, -(++tick_));             // before every warm slot, the latest first
         return;
@@ -178,7 +180,7 @@ void SlotTable::make_cold(int slot) {
     next_[slot] = head_;
     (head_ >= 0 ? prev_[head_] : tail_) = slot;
     head_ = slot;
-    in_lru_[slot] = 1;
+    evictable_[slot] = 1;
 }
 
 int SlotTable::allocate(int64_t key, int64_t* evicted) {
@@ -218,11 +220,7 @@ bool SlotTable::pin_present(const int64_t* keys, int n, int* slots) {
         if (it == slot_of_.end()) return false;
         slots[i] = it->second;
     }
-    for (int i = 0; i < n; ++i) {
-        ++pins_[slots[i]];
-        evictable_remove(slots[i]);
-        used(slots[i]);
-    }
+    for (int i = 0; i < n; ++i) pin_one(slots[i]);
     return true;
 }
 
@@ -248,7 +246,7 @@ std::vector<int> SlotTable::eviction_order() const {
     }
     std::vector<Entry> live;
     for (int s = 0; s < num_slots(); ++s)
-        if (in_lru_[s]) live.push_back({rank_[s], order_[s], s});
+        if (evictable_[s]) live.push_back({rank_[s], order_[s], s});
     std::sort(live.begin(), live.end(), [](const Entry& a, const Entry& b) { return b > a; });
     for (const Entry& e : live) out.push_back(e.slot);
     return out;

@@ -6,8 +6,9 @@
 //        every key's count is halved every decay_every pins, so that popularity fades; a slot
 //        that becomes evictable by mark_ready (a speculative read landing, nothing pinned) counts
 //        one use ahead (the one it was read for). A binary heap with stale entries skipped.
-//   Both: make_cold puts a slot first in line (the latest first). Python's experts/cache.py SlotCache is the API; this is its storage, kept native because
-// a decode step looks its experts up right after kernels that flushed the CPU caches, where every
+//   Both: make_cold puts a slot first in line (the latest first).
+// Python's experts/cache.py SlotCache is the API; this is its storage, kept native because a decode
+// step looks its experts up right after kernels that flushed the CPU caches, where every
 // Python object touched costs a memory round trip.
 //
 // Keys are (group, item) pairs of non-negative ints (a streaming provider's (layer, expert));
@@ -76,6 +77,7 @@ class SlotTable {
     void lru_push_back(int slot);
     void maybe_evictable(int slot, int ahead);
     void evictable_remove(int slot);
+    void pin_one(int slot);
     int take_victim();
     void count(int64_t key, int delta);
     void used(int slot);
@@ -92,7 +94,7 @@ class SlotTable {
     std::vector<uint8_t> state_;
     std::vector<int32_t> pins_;
     std::vector<int32_t> prev_, next_;               // LRU links; -1 ends
-    std::vector<uint8_t> in_lru_;
+    std::vector<uint8_t> evictable_;
     int head_ = -1, tail_ = -1;
     std::vector<int32_t> free_;                      // popped from the back: slot 0 first
     std::unordered_map<int64_t, int32_t> slot_of_;

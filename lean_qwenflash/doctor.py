@@ -184,8 +184,8 @@ def run_doctor(pack: Optional[str], probe_seconds: float = 2.0, out=print, cfg=N
                 out(f"               {gbps_a:.2f} GB/s landing across a {format_size(size)} buffer, as the host "
                     "cache's reads do (the speed streaming can reach)")
                 # (against the small-buffer figure of the engine auto uses, which this probe uses)
-                small = gbps_u if auto.startswith("uring") and gbps_u is not None else (gbps_p or gbps_u)
-                if gbps_a < 0.85 * small:
+                small = gbps_u if auto.startswith("uring") else gbps_p
+                if small and gbps_a < 0.85 * small:
                     out(f"               {gbps_a / small:.2f}x the small-buffer speed: this machine reads slower into "
                         "spread-out memory (common in VMs); expect streamed decode to follow the lower figure")
     finally:

@@ -57,7 +57,6 @@ class TieredExperts(ExpertProvider):
         # Never more slots than the pack has records: a small model does not get a 1 GiB arena.
         num_host = min(num_host, max(top_k, store.manifest.num_records))
         self.device = torch.device(device)
-        self.cache_policy = cache_policy
         self.host = SlotCache(num_host, cache_policy)   # keys (layer, expert id)
         self._num_experts = {l: store.layer(l).num_experts for l in self.layers}
         self.arena = AlignedBuffer(num_host * self.slot_bytes)
@@ -94,7 +93,6 @@ class TieredExperts(ExpertProvider):
         if predictors is not None:
             self.set_predictors(predictors)
         self.prefetch_lookahead = prefetch_lookahead
-        self.prefetch_extra = prefetch_extra
         # Experts guessed per layer: top-k + prefetch_extra (at least one), or by default the surest
         # three quarters of top-k, rounded up (when the disk is the bottleneck a wrong guess costs a
         # whole read, and the last-ranked guesses are the ones most often wrong).
@@ -495,7 +493,7 @@ class TieredExperts(ExpertProvider):
 
     def describe(self) -> str:
         parts = [f"host tier {self.host.num_slots} slots x {format_size(self.slot_bytes)} = "
-                 f"{format_size(self.host.num_slots * self.slot_bytes)} ({self.cache_policy})"]
+                 f"{format_size(self.host.num_slots * self.slot_bytes)} ({self.host.policy})"]
         if self.dev:
             parts.append(f"device tier ({self.device}) {self.dev.num_slots} slots = "
                          f"{format_size(self.dev.num_slots * self.slot_bytes)}")
