@@ -192,6 +192,31 @@ def test_budget_below_minimum_is_a_clear_error(packs):
     store.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_miss_never_evicts_an_expert_of_its_own_acquire(packs, policy):
+    """Two host slots, top-2: after [0, 1] (0 the eviction candidate under either rule), the
+    acquire [2, 0] pins 0 before giving 2 a slot, so 2 evicts 1 and 0 is a hit (were the misses
+    served in order, 2 would evict 0 and 0 then evict 1: two reads instead of one)."""
+    with ExpertStore.open(packs["mixtral"]) as store:
+        tiers = TieredExperts(store, 2 * store.max_record_bytes, top_k=2, prefetch=False, cache_policy=policy)
+        layer = tiers.layers[0]
+        ref = TieredExperts(store, 3 * store.max_record_bytes, top_k=2, prefetch=False)
+        want = {e: [w.clone() for w in v] for e, v in zip((0, 1, 2), ref.acquire(layer, [0, 1, 2]))}
+        ref.close()
+        tiers.acquire(layer, [0, 1])
+        tiers.release(layer, [0, 1])
+        got = tiers.acquire(layer, [2, 0])
+        s = tiers.stats.layers[layer]
+        assert (s.hits_host, s.misses) == (1, 3)
+        for e, views in zip((2, 0), got):      # and each slot holds the right expert's bytes
+            assert all(torch.equal(a, b) for a, b in zip(views, want[e]))
+        tiers.release(layer, [2, 0])
+        tiers.acquire(layer, [0, 2])
+        assert (s.hits_host, s.misses) == (3, 3)
+        tiers.release(layer, [0, 2])
+        tiers.close()
+
+
 def test_host_cache_never_allocates_more_than_the_pack_holds(packs):
     with ExpertStore.open(packs["mixtral"]) as store:
         tiers = TieredExperts(store, 1 << 30, top_k=2, prefetch=False)     # 1 GiB asked, a tiny pack

@@ -58,6 +58,10 @@ def test_simulator_by_hand():
     # Pinning: an acquire's own experts are never evicted by its other misses.
     t2 = Trace(dict(h, top_k=2), [(0, (0, 1)), (0, (2, 3)), (0, (0, 1))])
     assert simulate(t2, 2, "lru").hits == 0
+    # ... nor a key of its own acquire that is cached: it is pinned before the misses get slots.
+    # After [0, 1] (0 the candidate under either rule), [2, 0]: 2 evicts 1, 0 hits.
+    t3 = Trace(dict(h, top_k=2), [(0, (0, 1)), (0, (2, 0)), (0, (0, 2))])
+    assert [simulate(t3, 2, p).hits for p in ("lru", "lfu", "opt")] == [3, 3, 3]
     with pytest.raises(TraceError, match="below one layer's top-k"):
         simulate(t2, 1, "lru")
     size, r = suggest_cache(t, 0.5)

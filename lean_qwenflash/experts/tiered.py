@@ -211,10 +211,11 @@ class TieredExperts(ExpertProvider):
             if not self._host_requests:          # (no read in flight: none of them is READING)
                 return slots, []
             return slots, [slot for slot in slots if host.state(slot) == READING]
-        slots, waits = [], []
-        for e in expert_ids:
-            key = (layer_idx, e)
-            slot = host.lookup(key)
+        # Those present are pinned first, then the misses get slots: a miss must not evict an
+        # expert this same acquire is about to use (a guess that just landed, say).
+        slots, reading, missing = [], [], []
+        for i, e in enumerate(expert_ids):
+            slot = host.lookup((layer_idx, e))
             if slot is not None:
                 host.pin(slot)
                 if count:
@@ -222,16 +223,19 @@ class TieredExperts(ExpertProvider):
                 if slot in self._prefetched:
                     self._prefetched.remove(slot)
                     st.prefetch_useful += 1
-                if host.state(slot) == READING:
-                    waits.append(slot)
+                reading.append(host.state(slot) == READING)
             else:
-                slot = self._host_alloc(key, layer_idx)
-                host.pin(slot)
-                st.misses += 1
-                self._host_submit(slot, layer_idx, e, urgent=True)
-                waits.append(slot)
+                missing.append(i)
+                reading.append(True)
             slots.append(slot)
-        return slots, waits
+        for i in missing:
+            e = expert_ids[i]
+            slot = self._host_alloc((layer_idx, e), layer_idx)
+            host.pin(slot)
+            st.misses += 1
+            self._host_submit(slot, layer_idx, e, urgent=True)
+            slots[i] = slot
+        return slots, [slot for slot, r in zip(slots, reading) if r]
 
     def _wait_host(self, layer_idx: int, waits: Sequence[int]) -> None:
         """Wait for the reads into these pinned host slots (in order) and make them READY."""
