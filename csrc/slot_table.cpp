@@ -159,6 +159,10 @@ void SlotTable::unpin(int slot) {
     check(slot);
     if (pins_[slot] <= 0) throw std::logic_error("slot " + std::to_string(slot) + " unpinned more often than pinned");
     --pins_[slot];
+    if (pins_[slot] == 0 && key_[slot] < 0 && state_[slot] == EMPTY) {
+        free_.push_back(slot);                       // dropped while pinned: free once released
+        return;
+    }
     maybe_evictable(slot, 0);
 }
 

@@ -541,6 +541,9 @@ class _ReferenceSlots:
 
     def unpin(self, s):
         self.pins[s] -= 1
+        if self.pins[s] == 0 and self.key[s] is None:     # dropped while pinned: free once released
+            self.free.append(s)
+            return
         self._evictable(s, 0)
 
     def mark_ready(self, s):
@@ -592,7 +595,7 @@ def test_slot_cache_keeps_its_rule_through_random_operations(policy):
                 ref.mark_ready(s), got.mark_ready(s)
             elif op == "cold":
                 ref.make_cold(s), got.make_cold(s)
-            elif op == "drop" and ref.pins[s] == 0:
+            elif op == "drop":
                 ref.drop(s), got.drop(s)
             elif op == "present":
                 layer, items = key[0], rng.sample(range(6), rng.randint(1, 3))
