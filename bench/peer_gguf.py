@@ -31,11 +31,13 @@ Settings (--settings):
   it copies every K-quant weight into anonymous memory and gets killed under the cap), ours
   streaming through a host cache of --host-cache-gib with prefetch. Our decode is also given as
   a fraction of its I/O bound, the disk's speed over our bytes read per token. The disk is measured
-  as `doctor` does (record-sized random reads at depth 8) inside our process, in the same minute
-  as the decode (its speed drifts from minute to minute on some machines): into a small buffer
-  1 s before the decode and twice after it (doctor's first figure), and, after it, twice landing
-  across our host cache's own arena (doctor's second figure: the speed reads into the cache can
-  reach; some VMs read far slower into spread-out memory). Both ratios are printed.
+  as `doctor` does (record-sized random reads at depth 8, 1 s), in the same minute as the decode
+  (its speed drifts from minute to minute on some machines): into a small buffer in a fresh
+  process right before our worker and right after it (doctor's first figure; in a process that
+  has just run a long prompt this probe can read at half the speed), and twice inside our worker
+  after the decode, landing across our host cache's own arena (doctor's second figure: the speed
+  reads into the cache can reach; some VMs read slower into spread-out memory). Both ratios are
+  printed.
 
 ``--repeats N`` runs each engine N times per setting (fresh processes, taking turns) and reports
 each figure's median. Prints prefill and decode tok/s per setting and engine, MiB read per decode token (/proc/self/io),
@@ -248,21 +250,20 @@ def worker_ours(spec: dict) -> dict:
         state = prefill(min(sizes))
         if hasattr(rt.provider, "reset_stats"):
             rt.provider.reset_stats()
-        probes = {"small": [], "arena": []}
-        if spec["setting"] == "capped":
-            rt.provider.drain()             # (the prefill's guesses land first, as before the probes)
-            probes["small"].append(_disk_probe(spec["path"]))
+        probes = {"arena": []}
         before, t0 = read_bytes(), time.perf_counter()
         for tok in stream:
             model(torch.tensor([[tok]]), state)
         out["decode_s"], out["bytes_per_token"] = time.perf_counter() - t0, (read_bytes() - before) / len(stream)
         stats = rt.stats()
         if spec["setting"] == "capped":
-            # The disk right after the decode, into a small buffer and across the host cache's own
-            # arena (its contents are spoilt: nothing runs on this runtime afterwards).
+            # The disk right after the decode, landing across the host cache's own arena (its
+            # contents are spoilt: nothing runs on this runtime afterwards). doctor's own figure,
+            # into a small buffer, is taken in fresh processes around this one (run_worker): in a
+            # process that has just run a 4096-token prompt, that probe read 1.6-2.4 GB/s here
+            # against 3.8-4.3 in a fresh one, which made the bound meaningless.
             rt.provider.drain()
             for _ in range(2):
-                probes["small"].append(_disk_probe(spec["path"]))
                 probes["arena"].append(_disk_probe(spec["path"], rt.provider.arena))
             out["disk_probes"] = probes
     if stats:
@@ -313,8 +314,25 @@ def run_worker(kind: str, spec: dict, cap_bytes: int | None, files: dict, case: 
     env = dict(WORKER_ENV)
     if kind == "ours" and ours_repo:
         env.update(PYTHONPATH=ours_repo, LQF_OURS_REPO=ours_repo)
+    doctor = kind == "ours" and spec["setting"] == "capped"
+    small = [_doctor_probe(path, env)] if doctor else []
     with neighbour(spec["setting"]):
-        return run_json_worker(cmd, cap_bytes, "lqf-peer-gguf", env=env)
+        out = run_json_worker(cmd, cap_bytes, "lqf-peer-gguf", env=env)
+    if doctor and "error" not in out:
+        small.append(_doctor_probe(path, env))
+        out.setdefault("disk_probes", {})["small"] = small
+    return out
+
+
+def _doctor_probe(pack, env: dict):
+    """doctor's read probe (1 s, into a small buffer) in a fresh process, as a user runs it."""
+    code = "import sys; from lean_qwenflash.doctor import measure_disk_gbps; print(measure_disk_gbps(sys.argv[1], 1.0))"
+    r = subprocess.run([sys.executable, "-c", code, str(pack)], capture_output=True, text=True,
+                       env=dict(env, PYTHONPATH=env.get("PYTHONPATH") or str(REPO)))
+    try:       # (never lose the run's own figures to the probe)
+        return float(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
 
 
 def main() -> int:
