@@ -22,6 +22,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# (not bench/ itself, which Python put first: its kernels.py would shadow the `kernels` package
+# transformers imports when it is installed, and building the packs would fail)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "bench"]
 sys.path.insert(0, str(REPO))
 
 WORKER = r'''
