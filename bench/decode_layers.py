@@ -79,7 +79,9 @@ def make_packs(families: list, work: Path) -> dict:
 
 def run(tree: str, pack: Path, tokens: int, threads: int) -> dict:
     spec = json.dumps({"pack": str(pack), "tokens": tokens, "threads": threads})
-    p = subprocess.run([sys.executable, "-c", WORKER, spec], capture_output=True, text=True,
+    # (cwd: the tree too, since `python -c` puts the working directory ahead of PYTHONPATH: run
+    # from another checkout, it would import that one's package for every tree)
+    p = subprocess.run([sys.executable, "-c", WORKER, spec], capture_output=True, text=True, cwd=tree,
                        env={"PYTHONPATH": tree, "PATH": "/usr/bin:/bin"})
     if p.returncode:
         return {"error": p.stderr[-800:]}
