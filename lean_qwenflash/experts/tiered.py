@@ -213,9 +213,8 @@ class TieredExperts(ExpertProvider):
             return slots, [slot for slot in slots if host.state(slot) == READING]
         # Those present are pinned first, then the misses get slots: a miss must not evict an
         # expert this same acquire is about to use (a guess that just landed, say).
-        slots, reading, missing = [], [], []
-        for i, e in enumerate(expert_ids):
-            slot = host.lookup((layer_idx, e))
+        slots = [host.lookup((layer_idx, e)) for e in expert_ids]
+        for slot in slots:
             if slot is not None:
                 host.pin(slot)
                 if count:
@@ -223,19 +222,13 @@ class TieredExperts(ExpertProvider):
                 if slot in self._prefetched:
                     self._prefetched.remove(slot)
                     st.prefetch_useful += 1
-                reading.append(host.state(slot) == READING)
-            else:
-                missing.append(i)
-                reading.append(True)
-            slots.append(slot)
-        for i in missing:
-            e = expert_ids[i]
-            slot = self._host_alloc((layer_idx, e), layer_idx)
-            host.pin(slot)
-            st.misses += 1
-            self._host_submit(slot, layer_idx, e, urgent=True)
-            slots[i] = slot
-        return slots, [slot for slot, r in zip(slots, reading) if r]
+        for i, e in enumerate(expert_ids):
+            if slots[i] is None:
+                slot = slots[i] = self._host_alloc((layer_idx, e), layer_idx)
+                host.pin(slot)
+                st.misses += 1
+                self._host_submit(slot, layer_idx, e, urgent=True)
+        return slots, [slot for slot in slots if host.state(slot) == READING]
 
     def _wait_host(self, layer_idx: int, waits: Sequence[int]) -> None:
         """Wait for the reads into these pinned host slots (in order) and make them READY."""

@@ -268,38 +268,34 @@ def simulate(trace: Trace, slots: int, policy: str = "lfu") -> SimResult:
         pos += len(ids)
         # As the runtime: the cached keys are pinned first, then the misses get slots (so a miss
         # never evicts a key of its own acquire).
-        hit = [key in cached for key, _ in pinned]
-        for want_hit in (True, False):
-            for (key, _), is_hit in zip(pinned, hit):
-                if is_hit != want_hit:
-                    continue
-                res.lookups += 1
-                lay[0] += 1
-                if is_hit:
-                    res.hits += 1
-                    lay[1] += 1
-                    evictable.pop(key, None)
-                    prio.pop(key, None)
-                else:
-                    res.misses += 1
-                    res.bytes_read += rb[layer]
-                    if idx in decode:
-                        res.decode_bytes += rb[layer]
-                    if len(cached) >= slots:
-                        victim = _evict(policy, evictable, heap, prio)
-                        if victim is None:
-                            raise TraceError(f"a cache of {slots} records cannot hold one acquire of "
-                                             f"{len(ids)} experts (layer {layer})")
-                        cached.discard(victim)
-                    cached.add(key)
-                # a use, counted once the key has its slot (as the runtime's pin counts it)
-                count[key] = count.get(key, 0) + 1
-                if policy == "lfu" and res.lookups % decay == 0:
-                    for used in count:
-                        count[used] >>= 1
-                    prio = {k: ((c >> 1 if c > 0 else c), t) for k, (c, t) in prio.items()}
-                    heap = [(pr, k) for k, pr in prio.items()]
-                    heapq.heapify(heap)
+        for key, _ in sorted(pinned, key=lambda kp: kp[0] not in cached):
+            res.lookups += 1
+            lay[0] += 1
+            if key in cached:
+                res.hits += 1
+                lay[1] += 1
+                evictable.pop(key, None)
+                prio.pop(key, None)
+            else:
+                res.misses += 1
+                res.bytes_read += rb[layer]
+                if idx in decode:
+                    res.decode_bytes += rb[layer]
+                if len(cached) >= slots:
+                    victim = _evict(policy, evictable, heap, prio)
+                    if victim is None:
+                        raise TraceError(f"a cache of {slots} records cannot hold one acquire of "
+                                         f"{len(ids)} experts (layer {layer})")
+                    cached.discard(victim)
+                cached.add(key)
+            # a use, counted once the key has its slot (as the runtime's pin counts it)
+            count[key] = count.get(key, 0) + 1
+            if policy == "lfu" and res.lookups % decay == 0:
+                for used in count:
+                    count[used] >>= 1
+                prio = {k: ((c >> 1 if c > 0 else c), t) for k, (c, t) in prio.items()}
+                heap = [(pr, k) for k, pr in prio.items()]
+                heapq.heapify(heap)
         for key, p in pinned:                  # release, in acquire order
             tick += 1
             if policy == "lru":
