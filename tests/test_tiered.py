@@ -8,6 +8,7 @@ import torch
 
 from lean_qwenflash import io_engine
 from lean_qwenflash.config import ConfigError, load_config
+from lean_qwenflash.experts.cache import READING
 from lean_qwenflash.experts.tiered import TieredExperts
 from lean_qwenflash.generate.generator import Generator
 from lean_qwenflash.generate.sampling import SamplingParams
@@ -476,6 +477,114 @@ def test_prefetch_skips_a_layer_the_host_tier_holds_whole(packs):
             finally:
                 tiers.close()
     finally:
+        store.close()
+
+
+def _expert_bytes(store, layer, ids):
+    ref = TieredExperts(store, 2 * len(ids) * store.max_record_bytes, top_k=len(ids), prefetch=False)
+    try:
+        return {e: [w.clone() for w in views] for e, views in zip(ids, ref.acquire(layer, ids))}
+    finally:
+        ref.close()
+
+
+def _spied_store(store):
+    """The store's submit / finish calls recorded in order: ("submit", layer, expert, urgent) and
+    ("finish", layer, expert)."""
+    events, submit, finish = [], store.submit, store.finish
+
+    def spy_submit(layer, e, *a, urgent=True):
+        events.append(("submit", layer, e, urgent))
+        return submit(layer, e, *a, urgent=urgent)
+
+    def spy_finish(rid, layer, e, *a):
+        out = finish(rid, layer, e, *a)
+        events.append(("finish", layer, e))
+        return out
+    store.submit, store.finish = spy_submit, spy_finish
+    return events
+
+
+def test_guesses_are_worked_out_before_the_wait_and_read_after_it(packs):
+    """A decode step with misses: the next layer's guesses get their slots before the step computes
+    its cached experts, but their reads are submitted only once the step's own reads have landed
+    (sharing the disk with them would slow them); the guessed experts then serve the right bytes.
+    A step that never takes its batches still has its guesses read by the next acquire, and a
+    close with guesses planned reads them first."""
+    store = ExpertStore.open(packs["qwen3_moe"])
+    first, second = store.moe_layers[:2]
+    hidden = int(store.config["hidden_size"])
+    guess_ids = [2, 3]
+    guess = {l: (lambda h, n: torch.tensor([guess_ids])) for l in store.moe_layers[1:]}
+    want = _expert_bytes(store, second, [2, 3, 6, 7])
+    tiers = TieredExperts(store, host_cache_bytes=16 * store.max_record_bytes, top_k=2, predictors=guess,
+                          prefetch=True)
+    try:
+        events = _spied_store(store)
+        tiers.layer_input(first, torch.randn(1, hidden))
+        batches = iter(tiers.acquire_as_ready(first, [0, 1]))
+        assert next(batches)[0] == []                       # nothing cached: an empty first batch
+        planned = [tiers.host.lookup((second, e)) for e in (2, 3)]
+        assert None not in planned and all(tiers.host.state(s) == READING for s in planned)
+        assert [ev for ev in events if ev[0] == "submit"] == [("submit", first, 0, True), ("submit", first, 1, True)]
+        assert next(batches)[0] == [0, 1]
+        assert [ev[:3] for ev in events[2:]] == [("finish", first, 0), ("finish", first, 1),
+                                                 ("submit", second, 2), ("submit", second, 3)]
+        assert events[-1][3] is False                       # speculative: behind any demand read
+        tiers.release(first, [0, 1])
+        got = tiers.acquire(second, [2, 3])
+        assert all(torch.equal(a, b) for e, views in zip((2, 3), got) for a, b in zip(views, want[e]))
+        assert tiers.stats.layers[second].prefetch_useful == 2
+        tiers.release(second, [2, 3])
+
+        guess_ids[:] = [6, 7]                                 # a step that never takes its batches
+        tiers.layer_input(first, torch.randn(1, hidden))
+        unused = tiers.acquire_as_ready(first, [4, 5])
+        del unused
+        tiers.release(first, [4, 5])
+        got = tiers.acquire(second, [6, 7])                   # its guesses are read first, then served
+        assert all(torch.equal(a, b) for e, views in zip((6, 7), got) for a, b in zip(views, want[e]))
+        tiers.release(second, [6, 7])
+
+        tiers.layer_input(first, torch.randn(1, hidden))
+        guess_ids[:] = [4, 5]
+        unused = tiers.acquire_as_ready(first, [2, 3])
+        assert tiers._planned
+        del unused
+    finally:
+        tiers.close()                                         # reads the planned guesses, then waits
+        assert not tiers._planned and not tiers._speculative
+        store.close()
+
+
+def test_a_failed_guess_submit_frees_the_slots_it_had_taken(packs, monkeypatch):
+    store = ExpertStore.open(packs["qwen3_moe"])
+    first, second = store.moe_layers[:2]
+    guess = {l: (lambda h, n: torch.tensor([[2, 3]])) for l in store.moe_layers[1:]}
+    tiers = TieredExperts(store, host_cache_bytes=16 * store.max_record_bytes, top_k=2, predictors=guess,
+                          prefetch=True)
+    submit = tiers._host_submit
+
+    def failing(slot, layer, e, urgent):
+        if not urgent:
+            raise OSError("refused")
+        return submit(slot, layer, e, urgent)
+    try:
+        monkeypatch.setattr(tiers, "_host_submit", failing)
+        tiers.layer_input(first, torch.randn(1, int(store.config["hidden_size"])))
+        batches = iter(tiers.acquire_as_ready(first, [0, 1]))
+        next(batches)
+        with pytest.raises(OSError, match="refused"):
+            next(batches)
+        assert tiers.host.lookup((second, 2)) is None and tiers.host.lookup((second, 3)) is None
+        tiers.release(first, [0, 1])
+        monkeypatch.setattr(tiers, "_host_submit", submit)
+        want = _expert_bytes(store, second, [2, 3])
+        got = tiers.acquire(second, [2, 3])                   # read again on demand, right bytes
+        assert all(torch.equal(a, b) for e, views in zip((2, 3), got) for a, b in zip(views, want[e]))
+        tiers.release(second, [2, 3])
+    finally:
+        tiers.close()
         store.close()
 
 

@@ -12,7 +12,9 @@ Layer-ahead prefetch: the model calls ``layer_input(L, x)`` with layer L's route
 layer L's own experts are pinned, layer L+1's (..L+lookahead's) router is applied to that same
 input (the "stale gate"); predicted experts that are not cached are read speculatively, behind any
 demand read (demand reads are submitted as urgent and jump the engine's pending queue), and never
-more than ``io_queue_depth`` speculative reads are in flight.
+more than ``io_queue_depth`` speculative reads are in flight. A decode step that waits for layer L's
+misses works out these guesses (and takes their slots) before it waits, and submits their reads the
+moment L's own reads have landed, so the disk does not sit idle while the guesses are computed.
 
 Every served expert is bit-identical to the pack's bytes (checksum on first read) and hence to
 ``ResidentExperts`` loaded from the same pack.
@@ -64,6 +66,7 @@ class TieredExperts(ExpertProvider):
         self._host_requests: dict[int, int] = {}         # slot -> engine request id, while READING
         self._prefetched: set = set()                    # host slots read speculatively, not yet used
         self._speculative: deque = deque()               # host slots with speculative reads in flight
+        self._planned: list = []                         # guesses with a slot, read not yet submitted
         self.max_speculative = max_speculative or (store.engine.queue_depth if store.engine else 1)
         self._cuda = self.device.type == "cuda"
         if self._cuda:
@@ -313,6 +316,8 @@ class TieredExperts(ExpertProvider):
         if self.observer is not None:               # routing trace (experts/trace.py)
             self.observer(layer_idx, expert_ids)
         self.stats.layers[layer_idx].lookups += len(expert_ids)
+        if self._planned:              # (a step that never waited for its batches: read its guesses now)
+            self._read_guesses()
         if self._speculative:
             self._reap_speculative()
         return expert_ids
@@ -324,7 +329,13 @@ class TieredExperts(ExpertProvider):
             self._pinned.setdefault(layer_idx, []).append(("dev", slots))
             views = self._views_of(layer_idx, slots, dev=True)
         else:
-            slots = self._ensure_host(layer_idx, expert_ids)
+            slots, waits = self._pin_host(layer_idx, expert_ids)
+            if self.prefetch and waits:
+                self._plan_guesses(layer_idx)      # (worked out while this layer's misses land)
+            try:
+                self._wait_host(layer_idx, waits)
+            finally:
+                self._read_guesses()
             self._pinned.setdefault(layer_idx, []).append(("host", slots))
             views = self._views_of(layer_idx, slots)
         if self.prefetch:
@@ -336,7 +347,9 @@ class TieredExperts(ExpertProvider):
         first those whose bytes are in the host tier now, then, once their reads have landed, the
         rest (a batch may be empty; one batch when nothing is missing), so that a decode step
         computes its cached experts while the disk reads the others. The next layer's guesses are
-        queued after this layer's reads have landed, as in ``acquire``. The slots stay pinned until
+        worked out (and given slots) before the first batch, and their reads submitted as soon as
+        this layer's reads have landed (queued earlier they would share the disk with them). The
+        slots stay pinned until
         ``release(layer_idx, expert_ids)``. Returns an iterable of batches: a list when every expert
         is cached (and with a device tier: one batch, after ``acquire``), else a generator, which the
         caller closes (``close()``) if it stops early."""
@@ -350,6 +363,8 @@ class TieredExperts(ExpertProvider):
             if self.prefetch:
                 self._prefetch_after(layer_idx)
             return [(list(range(len(slots))), self._views_of(layer_idx, slots))]
+        if self.prefetch:
+            self._plan_guesses(layer_idx)
         return self._batches_as_ready(layer_idx, slots, waits)
 
     def _batches_as_ready(self, layer_idx: int, slots: list, waits: list):
@@ -358,9 +373,10 @@ class TieredExperts(ExpertProvider):
         try:
             yield ready, self._views_of(layer_idx, [slots[i] for i in ready])
         finally:      # (also when stopped early: no read may still be landing in a released slot)
-            self._wait_host(layer_idx, waits)
-        if self.prefetch:
-            self._prefetch_after(layer_idx)
+            try:
+                self._wait_host(layer_idx, waits)
+            finally:
+                self._read_guesses()
         rest = [i for i, s in enumerate(slots) if s in reading]
         yield rest, self._views_of(layer_idx, [slots[i] for i in rest])
 
@@ -435,9 +451,17 @@ class TieredExperts(ExpertProvider):
             self._finish_host(self._speculative.popleft())
 
     def _prefetch_after(self, layer_idx: int) -> None:
+        """Guess the next layers' experts from layer L's router input and read those not cached."""
+        self._plan_guesses(layer_idx)
+        self._read_guesses()
+
+    def _plan_guesses(self, layer_idx: int) -> None:
+        """The next layers' guesses that are not cached, each given a host slot (READING) and kept
+        in ``_planned`` until ``_read_guesses`` submits their reads."""
         hidden = self._hidden.pop(layer_idx, None)
         if hidden is None:
             return
+        planned = self._planned
         for nxt in self._next_layers[layer_idx][: self.prefetch_lookahead]:
             if nxt not in self.predictors or self.host.held_in(nxt) >= self._num_experts[nxt]:
                 continue            # (the host tier holds every expert of that layer: nothing to read)
@@ -445,15 +469,26 @@ class TieredExperts(ExpertProvider):
                 key = (nxt, e)
                 if (self.dev is not None and self.dev.lookup(key) is not None) or self.host.lookup(key) is not None:
                     continue
-                if len(self._speculative) >= self.max_speculative:
+                if len(self._speculative) + len(planned) >= self.max_speculative:
                     return
                 slot = self._host_alloc(key, nxt, wait=False)
                 if slot is None:
                     return                      # everything else is pinned or in flight: skip
-                self._host_submit(slot, nxt, e, urgent=False)
-                self._prefetched.add(slot)
-                self._speculative.append(slot)
-                self.stats.layers[nxt].prefetch_issued += 1
+                planned.append((slot, nxt, e))
+
+    def _read_guesses(self) -> None:
+        """Submit the planned guesses' reads (speculative: behind any demand read)."""
+        planned, self._planned = self._planned, []
+        for i, (slot, layer, e) in enumerate(planned):
+            try:
+                self._host_submit(slot, layer, e, urgent=False)
+            except BaseException:
+                for s, _, _ in planned[i:]:   # (no read will land in these: free them)
+                    self.host.drop(s)
+                raise
+            self._prefetched.add(slot)
+            self._speculative.append(slot)
+            self.stats.layers[layer].prefetch_issued += 1
 
     def preload(self) -> int:
         """Read experts into the host tier, layer by layer, until it is full; returns how many.
@@ -477,6 +512,8 @@ class TieredExperts(ExpertProvider):
 
     def drain(self) -> None:
         """Finish every speculative read (before closing the store)."""
+        if self._planned:
+            self._read_guesses()
         while self._speculative:
             self._finish_host(self._speculative.popleft())
 
