@@ -508,15 +508,15 @@ def _spied_store(store):
 def test_guesses_are_worked_out_before_the_wait_and_read_after_it(packs):
     """A decode step with misses: the next layer's guesses get their slots before the step computes
     its cached experts, but their reads are submitted only once the step's own reads have landed
-    (sharing the disk with them would slow them); the guessed experts then serve the right bytes.
-    A step that never takes its batches still has its guesses read by the next acquire, and a
-    close with guesses planned reads them first."""
+    (sharing the disk with them would slow them); the guessed experts then serve the right bytes,
+    as guesses (no demand read). A step left open after its first batch still has its guesses read
+    by the next acquire, and by ``drain``."""
     store = ExpertStore.open(packs["qwen3_moe"])
     first, second = store.moe_layers[:2]
     hidden = int(store.config["hidden_size"])
     guess_ids = [2, 3]
     guess = {l: (lambda h, n: torch.tensor([guess_ids])) for l in store.moe_layers[1:]}
-    want = _expert_bytes(store, second, [2, 3, 6, 7])
+    want = _expert_bytes(store, second, [2, 3, 4, 5, 6, 7])
     tiers = TieredExperts(store, host_cache_bytes=16 * store.max_record_bytes, top_k=2, predictors=guess,
                           prefetch=True)
     try:
@@ -532,32 +532,43 @@ def test_guesses_are_worked_out_before_the_wait_and_read_after_it(packs):
                                                  ("submit", second, 2), ("submit", second, 3)]
         assert events[-1][3] is False                       # speculative: behind any demand read
         tiers.release(first, [0, 1])
-        got = tiers.acquire(second, [2, 3])
-        assert all(torch.equal(a, b) for e, views in zip((2, 3), got) for a, b in zip(views, want[e]))
-        assert tiers.stats.layers[second].prefetch_useful == 2
-        tiers.release(second, [2, 3])
 
-        guess_ids[:] = [6, 7]                                 # a step that never takes its batches
+        def served(ids, useful):
+            got = tiers.acquire(second, ids)
+            assert all(torch.equal(a, b) for e, views in zip(ids, got) for a, b in zip(views, want[e]))
+            assert tiers.stats.layers[second].prefetch_useful == useful
+            assert not any(ev[0] == "submit" and ev[1] == second and ev[3] for ev in events)   # no demand read
+            tiers.release(second, ids)
+        served([2, 3], 2)
+
+        guess_ids[:] = [6, 7]                                 # a step left open after its first batch
         tiers.layer_input(first, torch.randn(1, hidden))
-        unused = tiers.acquire_as_ready(first, [4, 5])
-        del unused
+        batches = iter(tiers.acquire_as_ready(first, [4, 5]))
+        next(batches)
+        assert [key for _, *key in tiers._planned] == [[second, 6], [second, 7]]
+        served([6, 7], 4)                                     # the next acquire reads them first
+        batches.close()
         tiers.release(first, [4, 5])
-        got = tiers.acquire(second, [6, 7])                   # its guesses are read first, then served
-        assert all(torch.equal(a, b) for e, views in zip((6, 7), got) for a, b in zip(views, want[e]))
-        tiers.release(second, [6, 7])
 
-        tiers.layer_input(first, torch.randn(1, hidden))
         guess_ids[:] = [4, 5]
-        unused = tiers.acquire_as_ready(first, [2, 3])
-        assert tiers._planned
-        del unused
-    finally:
-        tiers.close()                                         # reads the planned guesses, then waits
+        tiers.layer_input(first, torch.randn(1, hidden))
+        batches = iter(tiers.acquire_as_ready(first, [2, 3]))
+        next(batches)
+        tiers.drain()                                         # reads the planned guesses, then waits
         assert not tiers._planned and not tiers._speculative
+        batches.close()
+        tiers.release(first, [2, 3])
+        served([4, 5], 6)
+    finally:
+        tiers.close()
         store.close()
 
 
-def test_a_failed_guess_submit_frees_the_slots_it_had_taken(packs, monkeypatch):
+@pytest.mark.parametrize("way", ["acquire", "acquire_as_ready"])
+def test_a_failed_guess_submit_frees_the_slots_it_had_taken(packs, monkeypatch, way):
+    """A guess whose read is refused: the error reaches the caller, the guesses' slots are free
+    again (none left waiting for a read that will never come), the step's own experts stay
+    pinned until its release, and a later acquire reads the guessed experts on demand."""
     store = ExpertStore.open(packs["qwen3_moe"])
     first, second = store.moe_layers[:2]
     guess = {l: (lambda h, n: torch.tensor([[2, 3]])) for l in store.moe_layers[1:]}
@@ -572,17 +583,47 @@ def test_a_failed_guess_submit_frees_the_slots_it_had_taken(packs, monkeypatch):
     try:
         monkeypatch.setattr(tiers, "_host_submit", failing)
         tiers.layer_input(first, torch.randn(1, int(store.config["hidden_size"])))
-        batches = iter(tiers.acquire_as_ready(first, [0, 1]))
-        next(batches)
         with pytest.raises(OSError, match="refused"):
-            next(batches)
+            if way == "acquire":
+                tiers.acquire(first, [0, 1])
+            else:
+                batches = iter(tiers.acquire_as_ready(first, [0, 1]))
+                next(batches)
+                next(batches)
         assert tiers.host.lookup((second, 2)) is None and tiers.host.lookup((second, 3)) is None
+        assert tiers.host.num_pinned() == 2
         tiers.release(first, [0, 1])
+        assert tiers.host.num_pinned() == 0
         monkeypatch.setattr(tiers, "_host_submit", submit)
         want = _expert_bytes(store, second, [2, 3])
         got = tiers.acquire(second, [2, 3])                   # read again on demand, right bytes
         assert all(torch.equal(a, b) for e, views in zip((2, 3), got) for a, b in zip(views, want[e]))
         tiers.release(second, [2, 3])
+    finally:
+        tiers.close()
+        store.close()
+
+
+def test_a_slot_never_read_into_is_an_error_not_stale_bytes(packs, monkeypatch):
+    """A demand read refused at submit frees its slot; a slot left waiting for a read that was
+    never submitted is an error when waited on, never bytes served from an unread slot."""
+    store = ExpertStore.open(packs["qwen3_moe"])
+    layer = store.moe_layers[0]
+    tiers = TieredExperts(store, host_cache_bytes=4 * store.max_record_bytes, top_k=2, prefetch=False)
+    submit = tiers._host_submit
+
+    def refused(*args, **kwargs):
+        raise OSError("refused")
+    try:
+        monkeypatch.setattr(tiers, "_host_submit", refused)
+        with pytest.raises(OSError, match="refused"):
+            tiers.acquire(layer, [0, 1])
+        assert tiers.host.lookup((layer, 0)) is None and tiers.host.num_pinned() == 0
+        monkeypatch.setattr(tiers, "_host_submit", submit)
+        slot, _ = tiers.host.allocate((layer, 5))              # taken for a read, none submitted
+        with pytest.raises(RuntimeError, match="no read was ever submitted"):
+            tiers.acquire(layer, [5, 6])
+        tiers.host.drop(slot)
     finally:
         tiers.close()
         store.close()

@@ -12,9 +12,11 @@ Layer-ahead prefetch: the model calls ``layer_input(L, x)`` with layer L's route
 layer L's own experts are pinned, layer L+1's (..L+lookahead's) router is applied to that same
 input (the "stale gate"); predicted experts that are not cached are read speculatively, behind any
 demand read (demand reads are submitted as urgent and jump the engine's pending queue), and never
-more than ``io_queue_depth`` speculative reads are in flight. A decode step that waits for layer L's
-misses works out these guesses (and takes their slots) before it waits, and submits their reads the
-moment L's own reads have landed, so the disk does not sit idle while the guesses are computed.
+more than ``io_queue_depth`` speculative reads are in flight. A host-tier ``acquire`` or
+``acquire_as_ready`` (the CPU decode step) that waits for layer L's reads works out these guesses (and
+takes their slots) before it waits, and submits their reads the moment L's own reads have landed,
+so the disk does not sit idle while the guesses are computed. (With a device tier, and in a
+prefill's ``acquire_runs``, the guesses are worked out and queued together.)
 
 Every served expert is bit-identical to the pack's bytes (checksum on first read) and hence to
 ``ResidentExperts`` loaded from the same pack.
@@ -176,6 +178,9 @@ class TieredExperts(ExpertProvider):
         """Wait for the read into a host slot (if any) and make the slot READY."""
         rid = self._host_requests.pop(slot, None)
         if rid is None:
+            if self.host.state(slot) == READING:      # (a slot taken for a read never submitted)
+                raise RuntimeError(f"host slot {slot} ({self.host.key_of(slot)}) is waited on, but no read "
+                                   "was ever submitted into it")
             return
         layer_idx, expert_id = self.host.key_of(slot)
         try:
@@ -230,7 +235,12 @@ class TieredExperts(ExpertProvider):
                 slot = slots[i] = self._host_alloc((layer_idx, e), layer_idx)
                 host.pin(slot)
                 st.misses += 1
-                self._host_submit(slot, layer_idx, e, urgent=True)
+                try:
+                    self._host_submit(slot, layer_idx, e, urgent=True)
+                except BaseException:
+                    host.unpin(slot)
+                    host.drop(slot)              # (no read will land in it)
+                    raise
         return slots, [slot for slot in slots if host.state(slot) == READING]
 
     def _wait_host(self, layer_idx: int, waits: Sequence[int]) -> None:
@@ -330,13 +340,15 @@ class TieredExperts(ExpertProvider):
             views = self._views_of(layer_idx, slots, dev=True)
         else:
             slots, waits = self._pin_host(layer_idx, expert_ids)
-            if self.prefetch and waits:
-                self._plan_guesses(layer_idx)      # (worked out while this layer's misses land)
-            try:
-                self._wait_host(layer_idx, waits)
-            finally:
-                self._read_guesses()
             self._pinned.setdefault(layer_idx, []).append(("host", slots))
+            try:
+                if self.prefetch and waits:
+                    self._plan_guesses(layer_idx, waits)   # (worked out while this layer's reads land)
+            finally:
+                try:
+                    self._wait_host(layer_idx, waits)
+                finally:
+                    self._read_guesses()
             views = self._views_of(layer_idx, slots)
         if self.prefetch:
             self._prefetch_after(layer_idx)
@@ -363,14 +375,14 @@ class TieredExperts(ExpertProvider):
             if self.prefetch:
                 self._prefetch_after(layer_idx)
             return [(list(range(len(slots))), self._views_of(layer_idx, slots))]
-        if self.prefetch:
-            self._plan_guesses(layer_idx)
         return self._batches_as_ready(layer_idx, slots, waits)
 
     def _batches_as_ready(self, layer_idx: int, slots: list, waits: list):
         reading = set(waits)
         ready = [i for i, s in enumerate(slots) if s not in reading]
         try:
+            if self.prefetch:
+                self._plan_guesses(layer_idx, waits)
             yield ready, self._views_of(layer_idx, [slots[i] for i in ready])
         finally:      # (also when stopped early: no read may still be landing in a released slot)
             try:
@@ -455,13 +467,15 @@ class TieredExperts(ExpertProvider):
         self._plan_guesses(layer_idx)
         self._read_guesses()
 
-    def _plan_guesses(self, layer_idx: int) -> None:
+    def _plan_guesses(self, layer_idx: int, landing: Sequence[int] = ()) -> None:
         """The next layers' guesses that are not cached, each given a host slot (READING) and kept
-        in ``_planned`` until ``_read_guesses`` submits their reads."""
+        in ``_planned`` until ``_read_guesses`` submits their reads. ``landing``: the slots the step
+        is about to wait for (its own speculative reads among them no longer count as in flight)."""
         hidden = self._hidden.pop(layer_idx, None)
         if hidden is None:
             return
         planned = self._planned
+        in_flight = len(self._speculative) - sum(1 for slot in landing if slot in self._speculative)
         for nxt in self._next_layers[layer_idx][: self.prefetch_lookahead]:
             if nxt not in self.predictors or self.host.held_in(nxt) >= self._num_experts[nxt]:
                 continue            # (the host tier holds every expert of that layer: nothing to read)
@@ -469,7 +483,7 @@ class TieredExperts(ExpertProvider):
                 key = (nxt, e)
                 if (self.dev is not None and self.dev.lookup(key) is not None) or self.host.lookup(key) is not None:
                     continue
-                if len(self._speculative) + len(planned) >= self.max_speculative:
+                if in_flight + len(planned) >= self.max_speculative:
                     return
                 slot = self._host_alloc(key, nxt, wait=False)
                 if slot is None:
@@ -493,6 +507,8 @@ class TieredExperts(ExpertProvider):
     def preload(self) -> int:
         """Read experts into the host tier, layer by layer, until it is full; returns how many.
         (Benchmarks use it to measure a fully cached model; statistics are left untouched.)"""
+        if self._planned:
+            self._read_guesses()
         saved = self.stats.layers
         self.stats.layers = {l: type(c)() for l, c in saved.items()}
         n = 0
