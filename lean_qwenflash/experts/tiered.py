@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import contextmanager
 from typing import Optional, Sequence
 
 import torch
@@ -243,6 +244,22 @@ class TieredExperts(ExpertProvider):
                     raise
         return slots, [slot for slot in slots if host.state(slot) == READING]
 
+    @contextmanager
+    def _landing(self, layer_idx: int, waits: Sequence[int]):
+        """The body runs while this layer's reads (``waits``) land: the next layer's guesses are
+        worked out first, and on leaving (also by an exception, or a generator closed early: no
+        read may still be landing in a released slot) the reads are waited for, then the guesses'
+        reads submitted."""
+        try:
+            if self.prefetch and waits:
+                self._plan_guesses(layer_idx, waits)
+            yield
+        finally:
+            try:
+                self._wait_host(layer_idx, waits)
+            finally:
+                self._read_guesses()
+
     def _wait_host(self, layer_idx: int, waits: Sequence[int]) -> None:
         """Wait for the reads into these pinned host slots (in order) and make them READY."""
         if not waits:
@@ -341,14 +358,9 @@ class TieredExperts(ExpertProvider):
         else:
             slots, waits = self._pin_host(layer_idx, expert_ids)
             self._pinned.setdefault(layer_idx, []).append(("host", slots))
-            try:
-                if self.prefetch and waits:
-                    self._plan_guesses(layer_idx, waits)   # (worked out while this layer's reads land)
-            finally:
-                try:
-                    self._wait_host(layer_idx, waits)
-                finally:
-                    self._read_guesses()
+            if waits:
+                with self._landing(layer_idx, waits):
+                    pass          # (nothing to compute meanwhile: guesses worked out, then the reads land)
             views = self._views_of(layer_idx, slots)
         if self.prefetch:
             self._prefetch_after(layer_idx)
@@ -361,10 +373,9 @@ class TieredExperts(ExpertProvider):
         computes its cached experts while the disk reads the others. The next layer's guesses are
         worked out (and given slots) before the first batch, and their reads submitted as soon as
         this layer's reads have landed (queued earlier they would share the disk with them). The
-        slots stay pinned until
-        ``release(layer_idx, expert_ids)``. Returns an iterable of batches: a list when every expert
-        is cached (and with a device tier: one batch, after ``acquire``), else a generator, which the
-        caller closes (``close()``) if it stops early."""
+        slots stay pinned until ``release(layer_idx, expert_ids)``. Returns an iterable of batches:
+        a list when every expert is cached (and with a device tier: one batch, after ``acquire``),
+        else a generator, which the caller closes (``close()``) if it stops early."""
         if self.dev is not None:
             views = self.acquire(layer_idx, expert_ids)
             return [(list(range(len(views))), views)]
@@ -380,15 +391,8 @@ class TieredExperts(ExpertProvider):
     def _batches_as_ready(self, layer_idx: int, slots: list, waits: list):
         reading = set(waits)
         ready = [i for i, s in enumerate(slots) if s not in reading]
-        try:
-            if self.prefetch:
-                self._plan_guesses(layer_idx, waits)
+        with self._landing(layer_idx, waits):     # (also when stopped early: see _landing)
             yield ready, self._views_of(layer_idx, [slots[i] for i in ready])
-        finally:      # (also when stopped early: no read may still be landing in a released slot)
-            try:
-                self._wait_host(layer_idx, waits)
-            finally:
-                self._read_guesses()
         rest = [i for i, s in enumerate(slots) if s in reading]
         yield rest, self._views_of(layer_idx, [slots[i] for i in rest])
 
