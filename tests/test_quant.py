@@ -380,16 +380,23 @@ def test_dequantize_equals_gguf_on_blocks_quantized_by_llama_cpp(tmp_path):
     assert seen == {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k"}, seen
 
 
-@pytest.mark.parametrize("tokens,native_calls", [(24, 1), (96, 0)])
-def test_float_expert_prefill_runs_natively_when_experts_get_few_tokens_each(monkeypatch, tokens, native_calls):
-    """bf16 records: a prompt whose selected experts get at most FLOAT_NATIVE_MAX_TOKENS tokens each
-    on average (24 tokens x top-3 over 8 experts: 9) is one native call for the layer, no per-expert
-    conversion of the records; with more (96 tokens: 36 each) torch's GEMM runs. Both equal the exact
-    path's sum to fp32 rounding."""
+@pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("dtype", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("above", [False, True])
+def test_float_expert_prefill_runs_natively_when_experts_get_few_tokens_each(monkeypatch, isa, dtype, above):
+    """Float records: a prompt whose selected experts get at most ``float_native_max_tokens`` tokens
+    each on average (top-3 over 8 experts) is one native call for the layer, no per-expert
+    conversion of the records; with more, torch's GEMM runs. The limit is FLOAT_NATIVE_MAX_TOKENS
+    (16) for fp32 records and on the scalar path, HALF_FLOAT_NATIVE_MAX_TOKENS for bf16 / f16 records
+    on AVX2 / AVX-512. Both paths equal the exact path's sum to fp32 rounding."""
     from lean_qwenflash.experts.provider import ResidentExperts
     from lean_qwenflash.models.moe.block import routed_experts
+    limit = kernels.HALF_FLOAT_NATIVE_MAX_TOKENS.get(isa, 16) if dtype != "f32" else 16
+    record = torch.zeros(1, dtype=ENCODINGS[dtype].torch_dtype)
+    assert kernels.float_native_max_tokens(record, ExecPolicy(isa=isa)) == limit
+    tokens = limit * 8 // 3 + (8 if above else 0)       # per expert: <= limit, or 3 more
     gen = torch.Generator().manual_seed(tokens)
-    experts, _ = _experts("bf16", "bf16", 8, 256, 96, gen)
+    experts, _ = _experts(dtype, dtype, 8, 256, 96, gen)
     x = torch.randn(tokens, 256, generator=gen)
     picks = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(tokens)])
     weights = torch.rand(tokens, 3, generator=gen)
@@ -397,8 +404,8 @@ def test_float_expert_prefill_runs_natively_when_experts_get_few_tokens_each(mon
     real = native.moe_prefill
     monkeypatch.setattr(native, "moe_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     provider = ResidentExperts({0: experts})
-    fast = routed_experts(x, weights, picks, provider, 0, ExecContext(ExecPolicy(kernel_mode="fast")))
-    assert len(calls) == native_calls
+    fast = routed_experts(x, weights, picks, provider, 0, ExecContext(ExecPolicy(kernel_mode="fast", isa=isa)))
+    assert len(calls) == (0 if above else 1)
     exact = routed_experts(x, weights, picks, provider, 0, ExecContext(ExecPolicy(kernel_mode="exact")))
-    assert len(calls) == native_calls
+    assert len(calls) == (0 if above else 1)
     torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)

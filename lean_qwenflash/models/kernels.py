@@ -194,16 +194,42 @@ def experts_combine(x: torch.Tensor, experts, parts: list, weights, ctx: ExecCon
 # expert torch's GEMM beats per-token dot products.
 FLOAT_NATIVE_MAX_TOKENS = 16
 
+# ... except half-precision records (bf16, f16) where the ISA has the float multi-column kernels
+# (csrc/quant_columns.h FloatN): torch's path first converts each record to fp32, a pass over twice
+# the record's bytes (bf16 file, 512-token prompt: 20-25% of the prefill), and its GEMM over a few
+# dozen rows ran at two speeds ~1.5x apart from one prompt to the next, while the native one held
+# steady. bf16 file (128 experts, top-8), 2 threads, fresh processes, tok/s torch -> native:
+# 32 tokens per expert (512-token prompt) avx512 185-251 -> 337-344, avx2 151-156 -> 270-275; 64
+# (1024) avx512 202-305 -> 317-378, avx2 206-314 -> 278-296; 128 (2048) avx512 253-321 -> 298-307,
+# avx2 281-331 -> 260-273 (torch ahead); 256 (4096 in one chunk) avx512 273-281 -> 261-275.
+# One layer timed alone (random records, best of 3 calls in one process) favours torch sooner, bf16
+# and f16 alike: 32 / 64 / 128 tokens per expert, native / torch, avx512 1.39 / 1.11 / 0.94, avx2
+# 1.07 / 0.91 / 0.77. The limits follow the whole-model prompts, what users wait for.
+# fp32 records (no conversion) keep FLOAT_NATIVE_MAX_TOKENS: not measured on a whole model.
+HALF_FLOAT_NATIVE_MAX_TOKENS = {"avx512": 128, "avx2": 64}
+
+
+def float_native_max_tokens(weight, policy: ExecPolicy) -> int:
+    """Up to how many tokens per expert (on average over a layer) float records like ``weight`` run
+    natively in fast mode (see FLOAT_NATIVE_MAX_TOKENS, HALF_FLOAT_NATIVE_MAX_TOKENS)."""
+    if isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16):
+        isa = native.best_isa() if policy.isa == "auto" else policy.isa
+        return HALF_FLOAT_NATIVE_MAX_TOKENS.get(isa, FLOAT_NATIVE_MAX_TOKENS)
+    return FLOAT_NATIVE_MAX_TOKENS
+
 
 def prefill_native(x: torch.Tensor, experts, ctx: ExecContext, tokens_per_expert: float) -> bool:
     """Whether many-token products with these experts run natively: fast mode on CPU and block-encoded
-    records, or float records when the layer's selected experts get at most FLOAT_NATIVE_MAX_TOKENS
-    tokens each on average (``tokens_per_expert``, the layer's figure: a provider serving the experts
-    in groups takes the same path)."""
+    records, or float records when the layer's selected experts get at most
+    ``float_native_max_tokens`` tokens each on average (``tokens_per_expert``, the layer's figure: a
+    provider serving the experts in groups takes the same path)."""
     if ctx.policy.kernel_mode != "fast" or x.device.type != "cpu":
         return False
-    encoded = isinstance(experts[0].gate_up, QuantTensor) and isinstance(experts[0].down, QuantTensor)
-    return (encoded or tokens_per_expert <= FLOAT_NATIVE_MAX_TOKENS) and _fast_ok(x, experts)
+    gate_up, down = experts[0].gate_up, experts[0].down
+    encoded = isinstance(gate_up, QuantTensor) and isinstance(down, QuantTensor)
+    few = tokens_per_expert <= min(float_native_max_tokens(gate_up, ctx.policy),
+                                   float_native_max_tokens(down, ctx.policy))
+    return (encoded or few) and _fast_ok(x, experts)
 
 
 def experts_prefill(x: torch.Tensor, experts, counts, tokens, weights, out: torch.Tensor,
