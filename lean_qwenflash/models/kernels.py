@@ -209,12 +209,16 @@ FLOAT_NATIVE_MAX_TOKENS = 16
 HALF_FLOAT_NATIVE_MAX_TOKENS = {"avx512": 128, "avx2": 64}
 
 
+def _kernel_isa(policy: ExecPolicy) -> str:
+    """The native kernel path the policy runs (``auto``: the best this CPU has)."""
+    return native.best_isa() if policy.isa == "auto" else policy.isa
+
+
 def float_native_max_tokens(weight, policy: ExecPolicy) -> int:
     """Up to how many tokens per expert (on average over a layer) float records like ``weight`` run
     natively in fast mode (see FLOAT_NATIVE_MAX_TOKENS, HALF_FLOAT_NATIVE_MAX_TOKENS)."""
     if isinstance(weight, torch.Tensor) and weight.dtype in (torch.bfloat16, torch.float16):
-        isa = native.best_isa() if policy.isa == "auto" else policy.isa
-        return HALF_FLOAT_NATIVE_MAX_TOKENS.get(isa, FLOAT_NATIVE_MAX_TOKENS)
+        return HALF_FLOAT_NATIVE_MAX_TOKENS.get(_kernel_isa(policy), FLOAT_NATIVE_MAX_TOKENS)
     return FLOAT_NATIVE_MAX_TOKENS
 
 
@@ -227,9 +231,9 @@ def prefill_native(x: torch.Tensor, experts, ctx: ExecContext, tokens_per_expert
         return False
     gate_up, down = experts[0].gate_up, experts[0].down
     encoded = isinstance(gate_up, QuantTensor) and isinstance(down, QuantTensor)
-    few = tokens_per_expert <= min(float_native_max_tokens(gate_up, ctx.policy),
-                                   float_native_max_tokens(down, ctx.policy))
-    return (encoded or few) and _fast_ok(x, experts)
+    return (encoded or tokens_per_expert <= min(float_native_max_tokens(gate_up, ctx.policy),
+                                                float_native_max_tokens(down, ctx.policy))) \
+        and _fast_ok(x, experts)
 
 
 def experts_prefill(x: torch.Tensor, experts, counts, tokens, weights, out: torch.Tensor,
@@ -266,8 +270,8 @@ GROUPED_ENCODINGS = frozenset({"q4_k", "q5_k", "q6_k"})     # Encoding.name
 
 def _native_gemm_limit(weight, policy: ExecPolicy) -> int:
     """How many tokens a resident matrix takes through the native GEMM in fast mode."""
-    isa = native.best_isa() if policy.isa == "auto" else policy.isa
-    grouped = isinstance(weight, QuantTensor) and weight.encoding.name in GROUPED_ENCODINGS and isa in ("avx2", "avx512")
+    grouped = isinstance(weight, QuantTensor) and weight.encoding.name in GROUPED_ENCODINGS \
+        and _kernel_isa(policy) in ("avx2", "avx512")
     return GROUPED_GEMM_MAX_TOKENS if grouped else NATIVE_GEMM_MAX_TOKENS
 
 
